@@ -1,0 +1,94 @@
+"""Swap-search speed: one refinement iteration (best swap of every row) per backend.
+
+Prints, per width d_in and sparsity pattern, the time per row-iteration and pairs/s (counting all
+d_in^2 pairs per row, as the issue defines it) for the naive search (each row's full d_in x d_in
+swap-cost matrix, then argmin), the vectorized torch backend and the compiled numba backend, the speed
+ratio against naive, and the machine's fp32 matmul rate measured in the same run.
+
+    python benchmarks/swap_search.py [--device cpu] [--widths 576 1536 4096] [--rows 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import time
+
+import torch
+
+from sparseswaps_prune.core.backends import best_swaps
+from sparseswaps_prune.core.backends.terms import swap_terms
+from sparseswaps_prune.core.losses import correlation
+from sparseswaps_prune.core.warmstart import warmstart_mask
+
+
+def naive_best_swaps(weight, keep, corr, gram):
+    """Per row: the full [d, d] dL matrix, then argmin (the baseline the issue names)."""
+    out = []
+    for r in range(weight.shape[0]):
+        remove, restore, _, _ = swap_terms(weight[r], keep[r], corr[r], torch.diagonal(gram))
+        cost = remove[:, None] + restore[None, :] - 2 * weight[r, :, None] * weight[r, None, :] * gram
+        flat = int(cost.argmin())
+        out.append((flat // weight.shape[1], flat % weight.shape[1]))
+    return out
+
+
+def problem(d_in: int, rows: int, sparsity: float | None, nm, seed: int = 0):
+    """Random correlated layer: G from 4 * d_in tokens, Wanda warmstart mask."""
+    gen = torch.Generator().manual_seed(seed)
+    mixing = torch.randn(d_in, d_in, generator=gen) / d_in**0.5 + torch.eye(d_in)
+    x = torch.randn(4 * d_in, d_in, generator=gen) @ mixing * torch.rand(d_in, generator=gen).add(0.1)
+    gram = x.T @ x
+    weight = torch.randn(rows, d_in, generator=gen)
+    keep = warmstart_mask(weight, "wanda", sparsity=sparsity, nm=nm, gram=gram)
+    return weight, keep, correlation(weight, gram, keep), gram
+
+
+def timed(fn, repeat: int) -> float:
+    fn()  # warm-up (and JIT compilation)
+    start = time.perf_counter()
+    for _ in range(repeat):
+        fn()
+    return (time.perf_counter() - start) / repeat
+
+
+def matmul_gflops(device: str, n: int = 2048) -> float:
+    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+    seconds = timed(lambda: a @ b, 5)
+    return 2 * n**3 / seconds / 1e9
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--widths", type=int, nargs="+", default=[576, 1536, 4096])
+    parser.add_argument("--rows", type=int, default=64, help="rows searched per call")
+    parser.add_argument("--naive-rows", type=int, default=4, help="rows timed for the naive search")
+    args = parser.parse_args()
+    print(
+        f"machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
+        f"torch {torch.__version__}, device {args.device}"
+    )
+    print(f"fp32 matmul: {matmul_gflops(args.device):.0f} GFLOP/s")
+    header = f"{'d_in':>5} {'pattern':>8} {'backend':>7} {'s/row-iter':>11} {'pairs/s':>9} {'vs naive':>8}"
+    print(header)
+    backends = ["torch", "numba"] if args.device == "cpu" else ["torch"]
+    for d_in in args.widths:
+        for label, sparsity, nm in (("60%", 0.6, None), ("2:4", None, (2, 4))):
+            weight, keep, corr, gram = (t.to(args.device) for t in problem(d_in, args.rows, sparsity, nm))
+            sub = [t[: args.naive_rows] for t in (weight, keep, corr)]
+            naive = timed(lambda sub=sub, gram=gram: naive_best_swaps(*sub, gram), 1) / args.naive_rows
+            results = {"naive": naive}
+            names = ["nm"] if nm else backends
+            for name in names:
+                args_ = (weight, keep, corr, gram, nm)
+                seconds = timed(lambda name=name, a=args_: best_swaps(name, *a), 3)
+                results[name] = seconds / args.rows
+            for name, per_row in results.items():
+                print(
+                    f"{d_in:>5} {label:>8} {name:>7} {per_row:>11.3e} {d_in**2 / per_row:>9.2e} {naive / per_row:>8.1f}"
+                )
+
+
+if __name__ == "__main__":
+    main()

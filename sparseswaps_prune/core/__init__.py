@@ -1,0 +1,1 @@
+"""Pure tensor math of SparseSwaps: no ``nn.Module``, no model, no I/O."""

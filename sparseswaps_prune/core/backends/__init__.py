@@ -1,0 +1,70 @@
+"""Best-swap search backends: each returns, for every row, the pair ``(u, p)`` minimising
+
+``dL(u, p) = A_u + B_p - 2 w_u w_p G_up`` with ``A_u = 2 w_u c_u + w_u^2 G_uu`` over kept ``u`` and
+``B_p = -2 w_p c_p + w_p^2 G_pp`` over pruned nonzero ``p`` (for ``nm``: ``u`` and ``p`` in one block of ``m``),
+and its ``dL`` (``+inf`` where a row has no feasible pair). Ties go to the smallest ``u``, then the
+smallest ``p``. Backends search only; :mod:`sparseswaps_prune.core.swaps` applies the swaps.
+
+* ``torch``: vectorized, any device, memory bounded by chunks of ``u`` (the reference).
+* ``numba``: compiled CPU kernel sharing each row of ``G`` across a block of rows.
+* N:M always uses the block-local torch search (``O(d_in * m)`` per row).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sparseswaps_prune.core.backends.nm_search import best_swaps_nm
+from sparseswaps_prune.core.backends.torch_search import best_swaps_torch
+
+BACKENDS = ("auto", "torch", "numba")
+
+
+def numba_available() -> bool:
+    """True if the compiled CPU kernel can be used (numba importable)."""
+    try:
+        import numba  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def resolve_backend(backend: str, device: torch.device, nm: tuple[int, int] | None) -> str:
+    """Pick the search backend: ``auto`` means numba on CPU (when installed), torch elsewhere."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown swap-search backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    if nm is not None:
+        return "nm"
+    if backend == "auto":
+        return "numba" if device.type == "cpu" and numba_available() else "torch"
+    if backend == "numba" and device.type != "cpu":
+        raise ValueError(f"backend='numba' runs on the CPU only, but the refinement device is {device}")
+    if backend == "numba" and not numba_available():
+        raise ValueError("backend='numba' needs the numba package: pip install numba")
+    return backend
+
+
+def best_swaps(
+    name: str,
+    weight: torch.Tensor,
+    keep: torch.Tensor,
+    corr: torch.Tensor,
+    gram: torch.Tensor,
+    nm: tuple[int, int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Dispatch to backend ``name`` (as returned by :func:`resolve_backend`).
+
+    Args:
+        weight, corr: ``[rows, d_in]`` in the compute dtype; keep: ``[rows, d_in]`` bool (True = kept);
+        gram: ``[d_in, d_in]`` compute dtype. Nothing is modified.
+
+    Returns:
+        ``u``, ``p`` (int64 ``[rows]``) and ``dL`` (``[rows]``, compute dtype, ``+inf`` if no pair).
+    """
+    if name == "nm":
+        return best_swaps_nm(weight, keep, corr, gram, nm[1])
+    if name == "numba":
+        from sparseswaps_prune.core.backends.numba_search import best_swaps_numba
+
+        return best_swaps_numba(weight, keep, corr, gram)
+    return best_swaps_torch(weight, keep, corr, gram)

@@ -1,0 +1,1 @@
+"""Hugging Face causal-LM integration: models, calibration data, evaluation and layer capture."""

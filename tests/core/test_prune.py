@@ -1,0 +1,136 @@
+import pytest
+import torch
+from torch import nn
+from torch.nn.utils import prune
+
+from sparseswaps_prune import GramAccumulator, SparseSwapsMethod, refine_mask, sparseswaps_unstructured, warmstart_mask
+
+
+def model_and_grams(seed: int = 0):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(16, 24), nn.ReLU(), nn.Linear(24, 8))
+    accs = [GramAccumulator(16), GramAccumulator(24)]
+    hooks = [
+        m.register_forward_pre_hook(lambda mod, args, a=a: a.add(args[0]))
+        for m, a in zip(model[::2], accs, strict=True)
+    ]
+    with torch.no_grad():
+        model(torch.randn(64, 16))
+    for h in hooks:
+        h.remove()
+    return model, [a.gram for a in accs]
+
+
+def expected_mask(layer, gram, amount, **kw):
+    keep = warmstart_mask(layer.weight.detach(), "wanda", sparsity=amount, gram=gram)
+    return refine_mask(layer.weight.detach(), gram, keep, **kw).mask
+
+
+def test_global_unstructured_prunes_each_layer_row_by_row():
+    model, grams = model_and_grams()
+    want = [expected_mask(layer, g, 0.6, max_iters=20) for layer, g in zip(model[::2], grams, strict=True)]
+    params = [(model[0], "weight"), (model[2], "weight")]
+    prune.global_unstructured(
+        params,
+        pruning_method=SparseSwapsMethod,
+        amount=0.6,
+        grams=grams,
+        shapes=[(24, 16), (8, 24)],
+        warmstart="wanda",
+        max_iters=20,
+    )
+    x = torch.randn(5, 16)
+    for layer, mask in zip(model[::2], want, strict=True):
+        assert prune.is_pruned(layer)
+        assert torch.equal(layer.weight_mask.bool(), mask)
+        assert (layer.weight_mask.sum(1) == mask.shape[1] - round(0.6 * mask.shape[1])).all()
+    w0 = model[0].weight_orig * want[0]
+    assert torch.allclose(model[0](x), x @ w0.T + model[0].bias)
+    for layer in model[::2]:
+        prune.remove(layer, "weight")
+        assert not prune.is_pruned(layer)
+    assert torch.equal(model[0].weight != 0, want[0])
+
+
+def test_global_unstructured_with_parameters_on_already_pruned_layers():
+    model, grams = model_and_grams(1)
+    prune.l1_unstructured(model[0], "weight", amount=0.25)
+    before = model[0].weight_mask.bool().clone()
+    params = [(model[0], "weight"), (model[2], "weight")]
+    method_kwargs = {"amount": 0.5, "grams": grams, "tensors": params, "max_iters": 10}
+    prune.global_unstructured(params, pruning_method=SparseSwapsMethod, **method_kwargs)
+    after = model[0].weight_mask.bool()
+    assert not (after & ~before).any()  # previously pruned weights stay pruned
+    kept_before = before.sum(1)
+    assert torch.equal(after.sum(1), kept_before - torch.round(0.5 * kept_before).long())
+
+
+def test_global_unstructured_without_shapes_is_a_clear_error():
+    model, grams = model_and_grams()
+    params = [(model[0], "weight"), (model[2], "weight")]
+    with pytest.raises(ValueError, match="shapes="):
+        prune.global_unstructured(params, pruning_method=SparseSwapsMethod, amount=0.5, grams=grams)
+    assert not prune.is_pruned(model)
+
+
+def test_sparseswaps_unstructured_round_trip_and_results():
+    model, grams = model_and_grams(2)
+    layer = model[0]
+    want = expected_mask(layer, grams[0], 0.5, max_iters=30)
+    sparseswaps_unstructured(layer, "weight", amount=0.5, gram=grams[0], max_iters=30)
+    assert torch.equal(layer.weight_mask.bool(), want)
+    x = torch.randn(3, 16)
+    assert torch.allclose(layer(x), x @ (layer.weight_orig * want).T + layer.bias)
+    prune.remove(layer, "weight")
+    assert torch.equal(layer.weight != 0, want)
+
+
+def test_sparseswaps_unstructured_nm_and_repeat_combination():
+    model, grams = model_and_grams(3)
+    layer = model[0]
+    sparseswaps_unstructured(layer, amount=None, nm=(2, 4), gram=grams[0], warmstart="magnitude", max_iters=10)
+    assert (layer.weight_mask.reshape(24, 4, 4).sum(-1) == 2).all()
+    first = layer.weight_mask.bool().clone()
+    sparseswaps_unstructured(layer, amount=0.5, gram=grams[0], max_iters=10)
+    second = layer.weight_mask.bool()
+    assert not (second & ~first).any()
+    assert (second.sum(1) == 4).all()
+
+
+def test_method_refinement_lowers_loss_and_records_results():
+    model, grams = model_and_grams(4)
+    method = SparseSwapsMethod(0.6, grams=[grams[1]], warmstart="magnitude", max_iters=50)
+    mask = method.compute_mask(model[2].weight.detach(), torch.ones_like(model[2].weight))
+    assert mask.shape == model[2].weight.shape
+    (res,) = method.results
+    assert res.loss_after.sum() <= res.loss_before.sum()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"amount": 1.2}, ValueError, r"Linear\.weight.*\[0, 1\)"),
+        ({"amount": 0.5, "gram": torch.eye(5)}, ValueError, r"Linear\.weight gram.*\[16, 16\]"),
+        ({"amount": 0.5, "gram": torch.full((16, 16), float("nan"))}, ValueError, "NaN"),
+        ({"amount": 0.5, "gram": torch.zeros(16, 16)}, ValueError, "no calibration tokens"),
+        ({"amount": None, "nm": (3, 5)}, ValueError, "does not divide"),
+        ({"amount": 0.5, "nm": (2, 4)}, ValueError, "exactly one"),
+        ({"amount": 0.5, "warmstart": "random"}, ValueError, "unknown warmstart"),
+    ],
+)
+def test_bad_input_leaves_module_untouched(kwargs, error, match):
+    model, grams = model_and_grams(5)
+    layer = model[0]
+    weight = layer.weight.detach().clone()
+    kwargs = {"gram": grams[0]} | kwargs
+    with pytest.raises(error, match=match):
+        sparseswaps_unstructured(layer, "weight", **kwargs)
+    assert not prune.is_pruned(layer)
+    assert torch.equal(layer.weight, weight) and "weight" in layer._parameters
+
+
+def test_non_2d_weight_rejected():
+    conv = nn.Conv2d(2, 3, 3)
+    with pytest.raises(ValueError, match="2-D"):
+        sparseswaps_unstructured(conv, amount=0.5, gram=torch.eye(18))
+    assert not prune.is_pruned(conv)

@@ -1,0 +1,63 @@
+import pytest
+import torch
+
+from sparseswaps_prune import refine_mask, row_losses, warmstart_mask
+from tests.core.reference import layer_problem
+
+W, G = layer_problem(4, 8, seed=0, dtype=torch.float32)
+K = warmstart_mask(W, "magnitude", sparsity=0.5)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"weight": torch.randn(2, 3, 4)}, ValueError, "2-D"),
+        ({"weight": torch.ones(4, 8, dtype=torch.long)}, TypeError, "floating"),
+        ({"gram": torch.eye(7)}, ValueError, r"\[8, 8\]"),
+        ({"weight": W.clone().index_fill_(1, torch.tensor([2]), float("nan"))}, ValueError, "NaN"),
+        ({"gram": G.clone().fill_diagonal_(float("inf"))}, ValueError, "NaN or Inf"),
+        ({"gram": torch.zeros(8, 8)}, ValueError, "no calibration tokens"),
+        ({"keep_mask": K.float()}, TypeError, "bool"),
+        ({"keep_mask": K[:, :4]}, ValueError, "shape"),
+        ({"max_iters": -1}, ValueError, "max_iters"),
+        ({"nm": (2, 3)}, ValueError, "does not divide"),
+        ({"nm": (2, 4)}, ValueError, "2:4 pattern"),
+        ({"backend": "cuda-magic"}, ValueError, "backend"),
+        ({"dtype": torch.float16}, TypeError, "dtype"),
+    ],
+)
+def test_refine_rejects_bad_input(kwargs, error, match):
+    args = {"weight": W, "gram": G, "keep_mask": K} | kwargs
+    kw = {k: v for k, v in args.items() if k not in ("weight", "gram", "keep_mask")}
+    with pytest.raises(error, match=match):
+        refine_mask(args["weight"], args["gram"], args["keep_mask"], **kw)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"sparsity": 1.0}, ValueError, r"\[0, 1\)"),
+        ({"sparsity": -0.1}, ValueError, r"\[0, 1\)"),
+        ({"sparsity": float("nan")}, TypeError, "sparsity"),
+        ({"sparsity": 0.5, "nm": (2, 4)}, ValueError, "exactly one"),
+        ({}, ValueError, "exactly one"),
+        ({"nm": (5, 4)}, ValueError, "0 <= n <= m"),
+        ({"nm": (1, 3)}, ValueError, "does not divide"),
+        ({"nm": "2:4"}, TypeError, "pair of ints"),
+    ],
+)
+def test_warmstart_rejects_bad_budget(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        warmstart_mask(W, "magnitude", **kwargs)
+
+
+def test_unknown_warmstart_and_scope():
+    with pytest.raises(ValueError, match="magnitude, wanda, ria"):
+        warmstart_mask(W, "sparsegpt-ish", sparsity=0.5)
+    with pytest.raises(ValueError, match="scope"):
+        warmstart_mask(W, "magnitude", sparsity=0.5, scope="global")
+
+
+def test_row_losses_checks_mask():
+    with pytest.raises(ValueError, match="shape"):
+        row_losses(W, G, K.T)

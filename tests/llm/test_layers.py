@@ -1,0 +1,270 @@
+"""Tests for sparseswaps_prune.llm.layers on tiny random-weight models built from configs (no download)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from transformers import (
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    OPTConfig,
+    OPTForCausalLM,
+    PreTrainedModel,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+from transformers.pytorch_utils import Conv1D
+
+from sparseswaps_prune.llm.layers import PrunableLayer, find_blocks, find_layers, group_by_input, input_hooks
+
+_DECODER = {
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 128,
+    "vocab_size": 512,
+}
+_CONFIGS = {
+    "llama": (LlamaForCausalLM, LlamaConfig(**_DECODER)),
+    "qwen2": (Qwen2ForCausalLM, Qwen2Config(**_DECODER)),
+    "mistral": (MistralForCausalLM, MistralConfig(**_DECODER)),
+    "gemma2": (Gemma2ForCausalLM, Gemma2Config(**_DECODER, head_dim=16)),
+    "opt": (
+        OPTForCausalLM,
+        OPTConfig(
+            hidden_size=64, num_hidden_layers=2, num_attention_heads=4, ffn_dim=128, vocab_size=512,
+            word_embed_proj_dim=64,
+        ),
+    ),
+    "gpt2": (
+        GPT2LMHeadModel,
+        GPT2Config(
+            n_embd=64, n_layer=2, n_head=4, n_inner=128, vocab_size=512, n_positions=64, bos_token_id=0,
+            eos_token_id=0,
+        ),
+    ),
+}  # fmt: skip
+_LLAMA_LIKE = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+_EXPECTED = {
+    "llama": (
+        "model.layers",
+        [f"self_attn.{n}" for n in _LLAMA_LIKE[:4]] + [f"mlp.{n}" for n in _LLAMA_LIKE[4:]],
+    ),
+    "opt": (
+        "model.decoder.layers",
+        ["self_attn.k_proj", "self_attn.v_proj", "self_attn.q_proj", "self_attn.out_proj", "fc1", "fc2"],
+    ),
+    "gpt2": ("transformer.h", ["attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"]),
+}
+for _arch in ("qwen2", "mistral", "gemma2"):
+    _EXPECTED[_arch] = _EXPECTED["llama"]
+
+
+def tiny(arch: str) -> PreTrainedModel:
+    """A seeded 2-block random-weight model of ``arch`` with eager attention, in eval mode."""
+    model_cls, config = _CONFIGS[arch]
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    return model_cls(config).eval()
+
+
+def _block_call(model: PreTrainedModel, blocks: nn.ModuleList) -> tuple[tuple, dict]:
+    """The (args, kwargs) with which ``model`` calls its first block on a small random batch."""
+    recorded = {}
+
+    def grab(_module: nn.Module, args: tuple, kwargs: dict) -> None:
+        recorded["call"] = (args, kwargs)
+
+    handle = blocks[0].register_forward_pre_hook(grab, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            model(torch.randint(0, 512, (2, 8)), use_cache=False)
+    finally:
+        handle.remove()
+    return recorded["call"]
+
+
+@pytest.mark.parametrize("arch", list(_CONFIGS))
+def test_find_blocks_and_layers(arch: str) -> None:
+    model = tiny(arch)
+    expected_path, expected_names = _EXPECTED[arch]
+    path, blocks = find_blocks(model)
+    assert path == expected_path
+    assert blocks is model.get_submodule(expected_path)
+    assert len(blocks) == 2
+    for i, block in enumerate(blocks):
+        layers = find_layers(block, prefix=f"{path}.{i}")
+        assert [layer.name for layer in layers] == [f"{path}.{i}.{n}" for n in expected_names]
+        for layer in layers:
+            assert layer.module is model.get_submodule(layer.name)
+            assert layer.weight_2d().shape == (layer.d_out, layer.d_in)
+
+
+def test_gpt2_conv1d_dims() -> None:
+    _, blocks = find_blocks(tiny("gpt2"))
+    dims = [(layer.d_in, layer.d_out, layer.is_transposed) for layer in find_layers(blocks[0], prefix="")]
+    assert dims == [(64, 192, True), (64, 64, True), (64, 128, True), (128, 64, True)]
+
+
+def test_llama_dims() -> None:
+    _, blocks = find_blocks(tiny("llama"))
+    dims = {layer.name: (layer.d_in, layer.d_out) for layer in find_layers(blocks[0], prefix="")}
+    assert dims["self_attn.q_proj"] == (64, 64)
+    assert dims["self_attn.k_proj"] == (64, 32)  # 2 kv heads of 16
+    assert dims["mlp.gate_proj"] == (64, 128)
+    assert dims["mlp.down_proj"] == (128, 64)
+    assert not find_layers(blocks[0], prefix="")[0].is_transposed
+
+
+def test_find_blocks_override_and_errors() -> None:
+    model = tiny("llama")
+    path, blocks = find_blocks(model, blocks_path="model.layers")
+    assert path == "model.layers" and blocks is model.model.layers
+    with pytest.raises(ValueError, match=r"blocks_path='model\.nope'"):
+        find_blocks(model, blocks_path="model.nope")
+    with pytest.raises(TypeError, match=r"not an nn\.ModuleList"):
+        find_blocks(model, blocks_path="model.norm")
+    with pytest.raises(ValueError, match="blocks_path="):
+        find_blocks(nn.Sequential(nn.Linear(2, 2)))
+
+
+def test_find_blocks_skips_nested_lists() -> None:
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.experts = nn.ModuleList(nn.Linear(4, 4) for _ in range(8))
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.mixed = nn.ModuleList([nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4)])  # not homogeneous
+            self.layers = nn.ModuleList(Block() for _ in range(3))
+
+    path, blocks = find_blocks(Model())
+    assert path == "layers" and len(blocks) == 3
+
+
+def test_find_layers_include_exclude() -> None:
+    _, blocks = find_blocks(tiny("llama"))
+    block = blocks[1]
+    names = [layer.name for layer in find_layers(block, prefix="model.layers.1", include=["*.self_attn.*"])]
+    assert names == [f"model.layers.1.self_attn.{n}" for n in _LLAMA_LIKE[:4]]
+    names = [layer.name for layer in find_layers(block, prefix="model.layers.1", exclude=["*.mlp.*", "*.o_proj"])]
+    assert names == [f"model.layers.1.self_attn.{n}" for n in _LLAMA_LIKE[:3]]
+    names = [
+        layer.name
+        for layer in find_layers(block, prefix="model.layers.1", include=["*_proj"], exclude=["*.self_attn.*"])
+    ]
+    assert names == [f"model.layers.1.mlp.{n}" for n in _LLAMA_LIKE[4:]]
+    assert find_layers(block, prefix="model.layers.1", include=["model.layers.0.*"]) == []
+    with pytest.raises(TypeError, match="include='\\*q_proj'"):
+        find_layers(block, prefix="", include="*q_proj")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="exclude"):
+        find_layers(block, prefix="", exclude=[3])  # type: ignore[list-item]
+
+
+def test_conv1d_weight_2d_is_the_linear_map() -> None:
+    torch.manual_seed(0)
+    conv = Conv1D(nf=7, nx=5)
+    nn.init.normal_(conv.bias)
+    layer = PrunableLayer("c", conv)
+    assert (layer.d_in, layer.d_out) == (5, 7)
+    x = torch.randn(3, 4, 5)
+    w2d = layer.weight_2d()
+    assert w2d.shape == (7, 5)
+    torch.testing.assert_close(x @ w2d.T + conv.bias, conv(x), rtol=1e-6, atol=1e-6)
+    mask = torch.rand(7, 5) > 0.5
+    assert torch.equal(layer.to_param_layout(mask), mask.T)
+    expected = (w2d * mask).T.clone()
+    w2d.mul_(mask)  # a view: writes go to the parameter
+    assert torch.equal(conv.weight.data, expected)
+
+
+def test_linear_weight_2d_and_layout() -> None:
+    linear = nn.Linear(5, 7)
+    layer = PrunableLayer("l", linear)
+    assert layer.weight_2d().data_ptr() == linear.weight.data_ptr()
+    mask = torch.ones(7, 5, dtype=torch.bool)
+    assert layer.to_param_layout(mask) is mask
+    with pytest.raises(ValueError, match=r"expected \[d_out, d_in\] = \[7, 5\]"):
+        layer.to_param_layout(torch.ones(5, 7))
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2", "opt"])
+def test_group_by_input_shared_inputs(arch: str) -> None:
+    model = tiny(arch)
+    path, blocks = find_blocks(model)
+    layers = find_layers(blocks[0], prefix=f"{path}.0")
+    args, kwargs = _block_call(model, blocks)
+    groups = group_by_input(blocks[0], layers, *args, **kwargs)
+    short = [[layer.name.rsplit(".", 1)[1] for layer in group] for group in groups]
+    if arch == "opt":
+        assert short == [["k_proj", "v_proj", "q_proj"], ["out_proj"], ["fc1"], ["fc2"]]
+    else:
+        assert short == [["q_proj", "k_proj", "v_proj"], ["o_proj"], ["gate_proj", "up_proj"], ["down_proj"]]
+    assert all(not layer.module._forward_pre_hooks for layer in layers)
+
+
+def test_group_by_input_gpt2_and_uncalled_layers() -> None:
+    model = tiny("gpt2")
+    _, blocks = find_blocks(model)
+    args, kwargs = _block_call(model, blocks)
+    layers = find_layers(blocks[0], prefix="")
+    assert [len(g) for g in group_by_input(blocks[0], layers, *args, **kwargs)] == [1, 1, 1, 1]
+    other = find_layers(blocks[1], prefix="transformer.h.1")  # never called by block 0
+    groups = group_by_input(blocks[0], layers[:1] + other, *args, **kwargs)
+    expected = [[layers[0].name]] + [[layer.name] for layer in other]
+    assert [[layer.name for layer in g] for g in groups] == expected
+
+
+def test_input_hooks_groups_and_layers() -> None:
+    model = tiny("llama")
+    _, blocks = find_blocks(model)
+    layers = find_layers(blocks[0], prefix="model.layers.0")
+    args, kwargs = _block_call(model, blocks)
+    groups = group_by_input(blocks[0], layers, *args, **kwargs)
+    calls: list[tuple[str, tuple[int, ...]]] = []
+    with input_hooks(groups, lambda key, x: calls.append((key, tuple(x.shape)))), torch.no_grad():
+        blocks[0](*args, **kwargs)
+    assert calls == [
+        ("model.layers.0.self_attn.q_proj", (2, 8, 64)),
+        ("model.layers.0.self_attn.o_proj", (2, 8, 64)),
+        ("model.layers.0.mlp.gate_proj", (2, 8, 64)),
+        ("model.layers.0.mlp.down_proj", (2, 8, 128)),
+    ]
+    calls.clear()
+    with input_hooks(layers, lambda key, x: calls.append((key, tuple(x.shape)))), torch.no_grad():
+        blocks[0](*args, **kwargs)
+    assert [key for key, _ in calls] == [layer.name for layer in layers]
+    assert all(not layer.module._forward_pre_hooks for layer in layers)
+    with pytest.raises(ValueError, match="empty layer group"), input_hooks([[]], lambda key, x: None):
+        pass
+
+
+def test_input_hooks_removed_when_fn_or_body_raises() -> None:
+    model = tiny("gpt2")
+    _, blocks = find_blocks(model)
+    layers = find_layers(blocks[0], prefix="")
+    args, kwargs = _block_call(model, blocks)
+
+    def boom(key: str, x: torch.Tensor) -> None:
+        raise RuntimeError(f"boom in {key}")
+
+    with (
+        pytest.raises(RuntimeError, match=r"boom in attn\.c_attn"),
+        input_hooks(layers, boom),
+        torch.no_grad(),
+    ):
+        blocks[0](*args, **kwargs)
+    assert all(not layer.module._forward_pre_hooks for layer in layers)
+    with pytest.raises(KeyError), input_hooks(layers, lambda key, x: None):
+        raise KeyError("body")
+    assert all(not layer.module._forward_pre_hooks for layer in layers)
