@@ -24,15 +24,15 @@ import inspect
 import logging
 import math
 import os
-import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 from transformers.cache_utils import Cache
+
+from sparseswaps_prune.atomic import save_torch
 
 logger = logging.getLogger(__name__)
 
@@ -213,7 +213,6 @@ class BlockInputs:
         The data go to a temporary file in the same directory, which is then renamed over ``path``, so an
         interrupted save never leaves a truncated file. Shared kwargs tensors are stored once.
         """
-        path = Path(path)
         payload = {
             "format_version": _FORMAT_VERSION,
             "hidden_states": self.hidden_states,
@@ -221,16 +220,7 @@ class BlockInputs:
             "block_kwargs": self.block_kwargs,
             "block_index": self.block_index,
         }
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                torch.save(payload, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        save_torch(payload, path)
         logger.info("saved inputs of block %d to %s", self.block_index, path)
 
     @classmethod

@@ -1,10 +1,13 @@
 """Compiled CPU best-swap search (numba, parallel over blocks of rows).
 
 For a block of rows, each row ``u`` of ``G`` is read once and reused by every row of the block whose
-weight ``u`` is kept; the inner loop over ``p`` is a branch-free ``min`` that the compiler vectorizes.
-A Cauchy-Schwarz lower bound ``A_u + min_p B_p - 2 |w_u| sqrt(G_uu) max_p |w_p| sqrt(G_pp)`` (with a
-rounding margin) skips every ``u`` that cannot beat the row's best swap so far, without changing the
-result. The argmin ``p`` is recovered only for each row's winning ``u``.
+weight ``u`` is kept. The inner loop over ``p`` is two vectorized passes: the pair costs (computed
+exactly as the torch backend does, no fused multiply-add), then a min over order-preserving integer
+keys (numba does not vectorize a float min-reduction). A lower bound on each ``u``'s best ``dL``
+(exact against the pruned weights of largest ``|w_p| sqrt(G_pp)``, Cauchy-Schwarz
+``|G_up| <= sqrt(G_uu G_pp)`` for the rest, with a rounding margin) skips every ``u`` that cannot beat
+the row's best swap, without changing the result. The argmin ``p`` is recovered only for each row's
+winning ``u``.
 """
 
 from __future__ import annotations
@@ -14,14 +17,46 @@ import numpy as np
 import torch
 
 ROW_BLOCK = 16
+# Pruned weights per row checked exactly inside the lower bound (the largest |w_p| sqrt(G_pp)).
+EXACT_TOP = 16
 
 
-@nb.njit(fastmath=True, cache=True)
-def _pair_min(restore, cross_u, gram_u, restore_weight):  # pragma: no cover - compiled
-    best = np.inf
+@nb.njit(cache=True)
+def _min_key32(bits):  # pragma: no cover - compiled
+    """Smallest float32 (given as its int32 bits) by an order-preserving integer key: vectorizes, unlike a
+    float min-reduction in numba."""
+    best = np.int32(0x7FFFFFFF)
+    for p in range(bits.shape[0]):
+        b = bits[p]
+        key = b ^ ((b >> 31) & np.int32(0x7FFFFFFF))
+        best = key if key < best else best
+    out = np.empty(1, np.int32)
+    out[0] = best ^ ((best >> 31) & np.int32(0x7FFFFFFF))
+    return out.view(np.float32)[0]
+
+
+@nb.njit(cache=True)
+def _min_key64(bits):  # pragma: no cover - compiled
+    """float64 twin of :func:`_min_key32`."""
+    best = np.int64(0x7FFFFFFFFFFFFFFF)
+    for p in range(bits.shape[0]):
+        b = bits[p]
+        key = b ^ ((b >> 63) & np.int64(0x7FFFFFFFFFFFFFFF))
+        best = key if key < best else best
+    out = np.empty(1, np.int64)
+    out[0] = best ^ ((best >> 63) & np.int64(0x7FFFFFFFFFFFFFFF))
+    return out.view(np.float64)[0]
+
+
+@nb.njit(cache=True)
+def _pair_min(restore, cross_u, gram_u, restore_weight, scratch):  # pragma: no cover - compiled
+    """``min_p restore[p] + cross_u * (gram_u[p] * restore_weight[p])``, evaluated exactly as the torch
+    backend does (no fused multiply-add), in two vectorized passes through ``scratch``."""
     for p in range(restore.shape[0]):
-        best = min(best, restore[p] + cross_u * (gram_u[p] * restore_weight[p]))
-    return best
+        scratch[p] = restore[p] + cross_u * (gram_u[p] * restore_weight[p])
+    if scratch.itemsize == 4:
+        return np.float64(_min_key32(scratch.view(np.int32)))
+    return _min_key64(scratch.view(np.int64))
 
 
 @nb.njit(cache=True)
@@ -34,51 +69,85 @@ def _pair_argmin(restore, cross_u, gram_u, restore_weight):  # pragma: no cover 
     return best, best_p
 
 
+@nb.njit(cache=True)
+def _prepare_row(weight, keep, corr, gram, n_exact, margin, remove, restore, cross, restore_weight, scale, bound):
+    """Fill one row's swap terms and a lower bound on every kept ``u``'s best ``dL`` (in place).
+
+    The bound evaluates ``u`` exactly against the ``n_exact`` pruned weights of largest
+    ``|w_p| sqrt(G_pp)`` and bounds the rest by Cauchy-Schwarz, ``|G_up| <= sqrt(G_uu G_pp)``. Returns a
+    cutoff no smaller than the row's optimum (an achievable ``dL`` plus a rounding margin); ``inf`` when
+    the row has no feasible swap.
+    """  # pragma: no cover - compiled
+    d = weight.shape[0]
+    n_kept, n_restorable = 0, 0
+    for j in range(d):
+        w, g = weight[j], gram[j, j]
+        remove[j], restore[j], cross[j], restore_weight[j], bound[j], scale[j] = np.inf, np.inf, 0, 0, np.inf, -1
+        if keep[j]:
+            remove[j] = 2 * w * corr[j] + w * w * g
+            cross[j] = -2 * w
+            n_kept += 1
+        elif w != 0:  # exact zeros are never restored (see terms.swap_terms)
+            restore[j] = w * w * g - 2 * w * corr[j]
+            restore_weight[j] = w
+            scale[j] = abs(w) * np.sqrt(max(g, 0.0))
+            n_restorable += 1
+    if n_kept == 0 or n_restorable == 0:
+        return np.inf
+    order = np.argsort(-scale)  # restorable weights first, largest scale first
+    k = min(n_exact, n_restorable)
+    rest_scale = scale[order[k]] if k < n_restorable else 0.0
+    rest_min = np.inf
+    for t in range(k, n_restorable):
+        rest_min = min(rest_min, restore[order[t]])
+    cutoff = np.inf
+    for u in range(d):
+        if keep[u]:
+            a, c = remove[u], cross[u]
+            exact = np.inf
+            for t in range(k):
+                p = order[t]
+                exact = min(exact, restore[p] + c * (gram[u, p] * restore_weight[p]))
+            if a + exact < np.inf:
+                cutoff = min(cutoff, a + exact + margin * (abs(a) + abs(exact)))
+            interaction = abs(c) * np.sqrt(max(gram[u, u], 0.0)) * rest_scale
+            rest = rest_min - interaction
+            lowest = min(exact, rest)
+            slack = abs(a) + abs(exact if exact < np.inf else 0.0) + interaction
+            slack += abs(rest_min) if rest_min < np.inf else 0.0
+            bound[u] = a + lowest - margin * slack
+    return cutoff
+
+
 @nb.njit(parallel=True, cache=True)
-def _search(weight, keep, corr, gram, row_block, margin, out_u, out_p, out_dl):  # pragma: no cover
+def _search(weight, keep, corr, gram, row_block, n_exact, margin, out_u, out_p, out_dl):  # pragma: no cover
     rows, d = weight.shape
     n_blocks = (rows + row_block - 1) // row_block
     for b in nb.prange(n_blocks):
         r0 = b * row_block
         nr = min(rows, r0 + row_block) - r0
-        remove = np.full((nr, d), np.inf, weight.dtype)
-        restore = np.full((nr, d), np.inf, weight.dtype)
-        cross = np.zeros((nr, d), weight.dtype)
-        restore_weight = np.zeros((nr, d), weight.dtype)
-        bound = np.full((nr, d), np.inf, weight.dtype)
+        remove = np.empty((nr, d), weight.dtype)
+        restore = np.empty((nr, d), weight.dtype)
+        cross = np.empty((nr, d), weight.dtype)
+        restore_weight = np.empty((nr, d), weight.dtype)
+        bound = np.empty((nr, d), weight.dtype)
+        scale = np.empty(d, weight.dtype)
+        scratch = np.empty(d, weight.dtype)
+        cutoff = np.empty(nr, weight.dtype)
         best = np.full(nr, np.inf, weight.dtype)
         best_u = np.zeros(nr, np.int64)
         for i in range(nr):
             r = r0 + i
-            min_restore, max_scale, first_u = np.inf, 0.0, -1
-            for j in range(d):
-                w, g = weight[r, j], gram[j, j]
-                if keep[r, j]:
-                    remove[i, j] = 2 * w * corr[r, j] + w * w * g
-                    cross[i, j] = -2 * w
-                    if first_u < 0 or remove[i, j] < remove[i, first_u]:
-                        first_u = j
-                elif w != 0:  # exact zeros are never restored (see terms.swap_terms)
-                    restore[i, j] = w * w * g - 2 * w * corr[r, j]
-                    restore_weight[i, j] = w
-                    min_restore = min(min_restore, restore[i, j])
-                    max_scale = max(max_scale, abs(w) * np.sqrt(max(g, 0.0)))
-            if first_u < 0 or min_restore == np.inf:
-                continue  # no kept or no pruned weight: no feasible swap
-            for j in range(d):
-                if keep[r, j]:
-                    a = remove[i, j]
-                    interaction = 2 * abs(weight[r, j]) * np.sqrt(max(gram[j, j], 0.0)) * max_scale
-                    bound[i, j] = a + min_restore - interaction - margin * (abs(a) + abs(min_restore) + interaction)
-            # Seed the row's best with its cheapest removal so the bound can skip from the start.
-            best[i] = remove[i, first_u] + _pair_min(restore[i], cross[i, first_u], gram[first_u], restore_weight[i])
-            best_u[i] = first_u
-        for u in range(d):
+            cutoff[i] = _prepare_row(
+                weight[r], keep[r], corr[r], gram, n_exact, margin,
+                remove[i], restore[i], cross[i], restore_weight[i], scale, bound[i],
+            )  # fmt: skip
+        for u in range(d):  # ascending u with a strict "<": ties keep the smallest u
             gram_u = gram[u]
             for i in range(nr):
-                if bound[i, u] <= best[i]:
-                    total = remove[i, u] + _pair_min(restore[i], cross[i, u], gram_u, restore_weight[i])
-                    if total < best[i] or (total == best[i] and u < best_u[i]):
+                if bound[i, u] <= min(best[i], cutoff[i]):
+                    total = remove[i, u] + _pair_min(restore[i], cross[i, u], gram_u, restore_weight[i], scratch)
+                    if total < best[i]:
                         best[i], best_u[i] = total, u
         for i in range(nr):
             r = r0 + i
@@ -112,6 +181,7 @@ def best_swaps_numba(
         as_np(corr),
         as_np(gram),
         ROW_BLOCK,
+        EXACT_TOP,
         margin,
         out_u,
         out_p,

