@@ -5,53 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
-from transformers import (
-    Gemma2Config,
-    Gemma2ForCausalLM,
-    GPT2Config,
-    GPT2LMHeadModel,
-    LlamaConfig,
-    LlamaForCausalLM,
-    MistralConfig,
-    MistralForCausalLM,
-    OPTConfig,
-    OPTForCausalLM,
-    PreTrainedModel,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-)
+from transformers import PreTrainedModel
 from transformers.pytorch_utils import Conv1D
 
 from sparseswaps_prune.llm.layers import PrunableLayer, find_blocks, find_layers, group_by_input, input_hooks
+from sparseswaps_prune.llm.models import TINY_ARCHS, tiny_model
 
-_DECODER = {
-    "hidden_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "intermediate_size": 128,
-    "vocab_size": 512,
-}
-_CONFIGS = {
-    "llama": (LlamaForCausalLM, LlamaConfig(**_DECODER)),
-    "qwen2": (Qwen2ForCausalLM, Qwen2Config(**_DECODER)),
-    "mistral": (MistralForCausalLM, MistralConfig(**_DECODER)),
-    "gemma2": (Gemma2ForCausalLM, Gemma2Config(**_DECODER, head_dim=16)),
-    "opt": (
-        OPTForCausalLM,
-        OPTConfig(
-            hidden_size=64, num_hidden_layers=2, num_attention_heads=4, ffn_dim=128, vocab_size=512,
-            word_embed_proj_dim=64,
-        ),
-    ),
-    "gpt2": (
-        GPT2LMHeadModel,
-        GPT2Config(
-            n_embd=64, n_layer=2, n_head=4, n_inner=128, vocab_size=512, n_positions=64, bos_token_id=0,
-            eos_token_id=0,
-        ),
-    ),
-}  # fmt: skip
 _LLAMA_LIKE = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 _EXPECTED = {
     "llama": (
@@ -69,11 +28,10 @@ for _arch in ("qwen2", "mistral", "gemma2"):
 
 
 def tiny(arch: str) -> PreTrainedModel:
-    """A seeded 2-block random-weight model of ``arch`` with eager attention, in eval mode."""
-    model_cls, config = _CONFIGS[arch]
-    config._attn_implementation = "eager"
-    torch.manual_seed(0)
-    return model_cls(config).eval()
+    """A seeded 2-block random-weight model of ``arch`` (hidden 64, MLP 128) with eager attention."""
+    model = tiny_model(arch)
+    model.config._attn_implementation = "eager"
+    return model
 
 
 def _block_call(model: PreTrainedModel, blocks: nn.ModuleList) -> tuple[tuple, dict]:
@@ -92,7 +50,7 @@ def _block_call(model: PreTrainedModel, blocks: nn.ModuleList) -> tuple[tuple, d
     return recorded["call"]
 
 
-@pytest.mark.parametrize("arch", list(_CONFIGS))
+@pytest.mark.parametrize("arch", TINY_ARCHS)
 def test_find_blocks_and_layers(arch: str) -> None:
     model = tiny(arch)
     expected_path, expected_names = _EXPECTED[arch]
