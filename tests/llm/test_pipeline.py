@@ -168,3 +168,19 @@ def test_job_bad_input_writes_nothing_complete(saved_tiny, tmp_path, overrides, 
     with pytest.raises(error, match=match):
         run_job(JobConfig(**fields), out, progress=False)
     assert not (out / "report.json").exists() and not (out / "config.json").exists()
+
+
+@pytest.mark.slow
+def test_default_model_end_to_end(tmp_path):
+    """The real SmolLM2-135M through the main job with small settings (about a minute on 2 CPU cores)."""
+    options = PruneOptions(max_iters=3, include=["model.layers.0.*", "model.layers.29.mlp.*"])
+    config = JobConfig(prune=options, nsamples=2, seqlen=64, eval_windows=4, batch_size=2)
+    report = run_job(config, tmp_path / "out", progress=False)
+    ppl = report["perplexity"]
+    assert 1 < ppl["dense"] < ppl["refined"] < ppl["warmstart"] * 1.5
+    assert len(report["layers"]) == 10
+    assert report["totals"]["loss_refined"] < report["totals"]["loss_warmstart"]
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    down = reloaded.model.layers[29].mlp.down_proj.weight
+    assert abs(float((down == 0).float().mean()) - 0.6) < 0.01
+    assert float((reloaded.model.layers[5].mlp.down_proj.weight == 0).float().mean()) < 0.01

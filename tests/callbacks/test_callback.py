@@ -1,0 +1,308 @@
+"""SparseSwapsPruning: a Lightning callback, on CPU with tiny modules (a few seconds in all)."""
+
+from __future__ import annotations
+
+import os
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.multiprocessing as mp
+from lightning.pytorch.loggers import CSVLogger
+from torch import nn
+from torch.nn import functional as F
+from torch.nn.utils import prune
+from torch.utils.data import DataLoader, TensorDataset
+
+from sparseswaps_prune.callbacks import SparseSwapsPruning, all_reduce_grams, restore_masks
+from sparseswaps_prune.core.gram import GramAccumulator
+from sparseswaps_prune.prune import SparseSwapsMethod
+
+
+class MLP(pl.LightningModule):
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+        generator = torch.Generator().manual_seed(1)
+        self.x = torch.randn(64, 16, generator=generator)
+        self.y = torch.randn(64, 4, generator=generator)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch, _idx):
+        x, y = batch
+        return F.mse_loss(self(x), y)
+
+    def validation_step(self, batch, _idx):
+        x, y = batch
+        self.log("val_loss", F.mse_loss(self(x), y))
+
+    def test_step(self, batch, _idx):
+        x, y = batch
+        self.log("test_loss", F.mse_loss(self(x), y))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+    def _loader(self) -> DataLoader:
+        return DataLoader(TensorDataset(self.x, self.y), batch_size=16)
+
+    def train_dataloader(self):
+        return self._loader()
+
+    def val_dataloader(self):
+        return self._loader()
+
+    def test_dataloader(self):
+        return self._loader()
+
+
+class RestoringMLP(MLP):
+    def on_load_checkpoint(self, checkpoint):
+        restore_masks(self, checkpoint["state_dict"])
+
+
+def make_trainer(tmp_path, *callbacks, **kwargs) -> pl.Trainer:
+    options = {
+        "max_epochs": 2,
+        "accelerator": "cpu",
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "default_root_dir": tmp_path,
+        **kwargs,
+    }
+    return pl.Trainer(callbacks=list(callbacks), **options)
+
+
+class Snapshot(pl.Callback):
+    """Records masks and weight_orig at train start and, per epoch, whether the layers are pruned."""
+
+    def __init__(self) -> None:
+        self.masks, self.origs, self.pruned_at_epoch_end = {}, {}, []
+
+    def on_train_start(self, trainer, pl_module):
+        for name, m in pl_module.named_modules():
+            if hasattr(m, "weight_mask"):
+                self.masks[name] = m.weight_mask.clone()
+                self.origs[name] = m.weight_orig.detach().clone()
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        self.pruned_at_epoch_end.append(hasattr(pl_module.net[0], "weight_mask"))
+
+
+def only_prune_hooks(module: nn.Module) -> bool:
+    for m in module.modules():
+        if m._forward_pre_hooks_with_kwargs:
+            return False
+        if not all(isinstance(h, prune.BasePruningMethod) for h in m._forward_pre_hooks.values()):
+            return False
+    return True
+
+
+def test_prunes_at_fit_start_and_zeros_stay_zero(tmp_path):
+    model, cb, snap = MLP(), SparseSwapsPruning(sparsity=0.5, max_iters=20, calibration_batches=2), Snapshot()
+    make_trainer(tmp_path, cb, snap).fit(model)
+    assert cb.pruned and set(cb.stats) == {"net.0", "net.2"}
+    assert set(snap.masks) == {"net.0", "net.2"}
+    for name, d_in in (("net.0", 16), ("net.2", 32)):
+        layer = model.get_submodule(name)
+        mask = layer.weight_mask
+        assert torch.equal(mask, snap.masks[name])  # the mask never changes during training
+        assert torch.equal(mask.sum(dim=1), torch.full((mask.shape[0],), d_in // 2, dtype=mask.dtype))
+        assert not torch.equal(layer.weight_orig, snap.origs[name])  # kept weights trained
+        stats = cb.stats[name]
+        assert stats.loss_after <= stats.loss_before and stats.sparsity == pytest.approx(0.5)
+        assert stats.n_tokens == 32  # 2 batches of 16
+    model(model.x)  # recomputes weight = weight_orig * mask
+    assert all(
+        bool((model.get_submodule(n).weight[model.get_submodule(n).weight_mask == 0] == 0).all()) for n in snap.masks
+    )
+    assert only_prune_hooks(model)
+    assert [n for n, _ in model.net[0].named_parameters()] == ["weight_orig", "bias"]  # weight keeps its slot
+
+
+def test_validate_and_test_before_and_after_pruning(tmp_path):
+    model, cb = MLP(), SparseSwapsPruning(sparsity=0.5, max_iters=5, calibration_batches=1)
+    trainer = make_trainer(tmp_path, cb, max_epochs=1)
+    dense = trainer.validate(model, verbose=False)[0]["val_loss"]
+    assert not hasattr(model.net[0], "weight_mask")  # validate does not prune
+    trainer.test(model, verbose=False)
+    trainer.fit(model)
+    assert hasattr(model.net[0], "weight_mask")
+    sparse = trainer.validate(model, verbose=False)[0]["val_loss"]
+    assert trainer.test(model, verbose=False)[0]["test_loss"] > 0 and sparse != dense
+    assert only_prune_hooks(model)
+
+
+def test_checkpoint_round_trip_does_not_prune_again(tmp_path):
+    model, cb = MLP(), SparseSwapsPruning(sparsity=0.6, max_iters=10, calibration_batches=2)
+    trainer = make_trainer(tmp_path, cb, max_epochs=1)
+    trainer.fit(model)
+    path = tmp_path / "pruned.ckpt"
+    trainer.save_checkpoint(path)
+    saved = {n: model.get_submodule(n).weight_mask.clone() for n in ("net.0", "net.2")}
+
+    resumed, cb2 = MLP(seed=5), SparseSwapsPruning(sparsity=0.6, max_iters=10, calibration_batches=2)
+    make_trainer(tmp_path, cb2, max_epochs=2).fit(resumed, ckpt_path=path)  # SGD momentum state restores too
+    assert cb2.pruned and cb2.stats == {}  # restored, not pruned again
+    for name, mask in saved.items():
+        layer = resumed.get_submodule(name)
+        assert torch.equal(layer.weight_mask, mask)
+        assert bool((layer.weight[mask == 0] == 0).all())
+    assert torch.load(path, weights_only=False)["callbacks"]["SparseSwapsPruning"] == {"pruned": True}
+
+    loaded = RestoringMLP.load_from_checkpoint(path, seed=3)
+    for name, mask in saved.items():
+        assert torch.equal(loaded.get_submodule(name).weight_mask, mask)
+    assert torch.allclose(loaded(model.x), model(model.x))
+
+
+def test_nm_and_logging(tmp_path):
+    model, cb = MLP(), SparseSwapsPruning(nm=(2, 4), max_iters=10, calibration_batches=1, exclude=["net.2"])
+    make_trainer(tmp_path, cb, max_epochs=1, logger=CSVLogger(tmp_path)).fit(model)
+    assert set(cb.stats) == {"net.0"} and not hasattr(model.net[2], "weight_mask")
+    blocks = model.net[0].weight_mask.reshape(32, 4, 4).sum(dim=-1)
+    assert bool((blocks == 2).all())
+    metrics = (tmp_path / "lightning_logs" / "version_0" / "metrics.csv").read_text()
+    assert "sparseswaps/net.0/loss_after" in metrics and "sparseswaps/loss_before" in metrics
+
+
+def test_sequential_mode_epoch_trigger_and_make_permanent(tmp_path):
+    loader = DataLoader(TensorDataset(torch.randn(32, 16)), batch_size=8)
+    model, snap = MLP(), Snapshot()
+    cb = SparseSwapsPruning(
+        sparsity=0.25, mode="sequential", when=1, calibration_dataloader=loader, max_iters=5, make_permanent=True
+    )
+    make_trainer(tmp_path, cb, snap).fit(model)
+    assert snap.pruned_at_epoch_end == [False, True]  # pruned at the start of epoch 1
+    assert set(cb.stats) == {"net.0", "net.2"}
+    for layer, d_in in ((model.net[0], 16), (model.net[2], 32)):
+        assert not prune.is_pruned(layer) and not hasattr(layer, "weight_orig")  # made permanent
+        assert bool(((layer.weight != 0).sum(dim=1) == d_in - round(0.25 * d_in)).all())
+    assert [n for n, _ in model.net[0].named_parameters()] == ["weight", "bias"]
+    assert only_prune_hooks(model)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error"),
+    [
+        ({}, ValueError),
+        ({"sparsity": 1.0}, ValueError),
+        ({"sparsity": -0.1}, ValueError),
+        ({"sparsity": "0.5"}, TypeError),
+        ({"sparsity": 0.5, "nm": (2, 4)}, ValueError),
+        ({"nm": (5, 4)}, ValueError),
+        ({"sparsity": 0.5, "mode": "global"}, ValueError),
+        ({"sparsity": 0.5, "warmstart": "sparsegpt"}, ValueError),
+        ({"sparsity": 0.5, "calibration_batches": 0}, ValueError),
+        ({"sparsity": 0.5, "max_iters": 1.5}, TypeError),
+        ({"sparsity": 0.5, "when": "epoch_end"}, ValueError),
+        ({"sparsity": 0.5, "when": -1}, ValueError),
+        ({"sparsity": 0.5, "include": "*mlp*"}, TypeError),
+        ({"sparsity": 0.5, "make_permanent": 1}, TypeError),
+        ({"sparsity": 0.5, "calibration_dataloader": 3}, TypeError),
+    ],
+)
+def test_bad_arguments_raise_at_construction(kwargs, error):
+    with pytest.raises(error):
+        SparseSwapsPruning(**kwargs)
+
+
+def test_no_matching_layer_is_a_clear_error(tmp_path):
+    cb = SparseSwapsPruning(sparsity=0.5, include=["*attn*"])
+    with pytest.raises(ValueError, match=r"no nn\.Linear"):
+        make_trainer(tmp_path, cb, max_epochs=1).fit(MLP())
+
+
+class TinyLM(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        from sparseswaps_prune.llm.models import tiny_model
+
+        self.model = tiny_model("llama").train()  # tiny_model returns eval mode
+        self.ids = torch.randint(0, 1000, (8, 16), generator=torch.Generator().manual_seed(0))
+
+    def forward(self, input_ids):
+        return self.model(input_ids=input_ids).logits
+
+    def training_step(self, batch, _idx):
+        (ids,) = batch
+        return self.model(input_ids=ids, labels=ids).loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    def train_dataloader(self):
+        return DataLoader(TensorDataset(self.ids), batch_size=4)
+
+
+def test_hugging_face_model_mlp_only(tmp_path):
+    lm, cb = TinyLM(), SparseSwapsPruning(sparsity=0.5, include=["*mlp*"], max_iters=10, calibration_batches=2)
+    make_trainer(tmp_path, cb, max_epochs=1, max_steps=2).fit(lm)
+    assert len(cb.stats) == 6 and all(".mlp." in name for name in cb.stats)
+    assert all(s.loss_after <= s.loss_before for s in cb.stats.values())
+    block = lm.model.model.layers[0]
+    assert hasattr(block.mlp.down_proj, "weight_mask") and not hasattr(block.self_attn.q_proj, "weight_mask")
+    lm(lm.ids[:1])
+    assert float((block.mlp.up_proj.weight == 0).float().mean()) == pytest.approx(0.5)
+    assert only_prune_hooks(lm)
+
+
+def _ddp_worker(rank: int, world_size: int, tmp: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=world_size)
+    try:
+        torch.manual_seed(0)
+        layer = nn.Linear(12, 6)  # same weights on every rank
+        x = torch.randn(20 + 10 * rank, 12, generator=torch.Generator().manual_seed(100 + rank))  # different data
+        accs = {"layer": GramAccumulator(12), "unused": GramAccumulator(12)}
+        accs["layer"].add(x)
+        if rank == 0:
+            accs["unused"].add(torch.ones(2, 12))
+        all_reduce_grams(accs)
+        method = SparseSwapsMethod(0.5, grams=[accs["layer"].gram], shapes=[(6, 12)], max_iters=20)
+        mask = method.layer_mask(layer.weight.detach(), torch.ones(6, 12, dtype=torch.bool), accs["layer"].gram)
+        torch.save(
+            {"gram": accs["layer"].gram, "n": accs["layer"].n_tokens, "unused": accs["unused"].gram, "mask": mask},
+            os.path.join(tmp, f"rank{rank}.pt"),
+        )
+    finally:
+        dist.destroy_process_group()
+
+
+def test_all_reduce_grams_gives_every_rank_the_same_masks(tmp_path):
+    mp.spawn(_ddp_worker, args=(2, str(tmp_path)), nprocs=2, join=True)
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
+    xs = [torch.randn(20 + 10 * r, 12, generator=torch.Generator().manual_seed(100 + r)) for r in (0, 1)]
+    full = torch.cat(xs)
+    assert r0["n"] == r1["n"] == 50
+    assert torch.allclose(r0["gram"], full.T @ full, rtol=1e-5, atol=1e-4)
+    assert torch.equal(r0["gram"], r1["gram"]) and torch.equal(r0["mask"], r1["mask"])
+    assert torch.equal(r0["unused"], r1["unused"]) and float(r1["unused"].sum()) == 2 * 144
+
+
+class TinyGPT2(TinyLM):
+    def __init__(self) -> None:
+        pl.LightningModule.__init__(self)
+        from sparseswaps_prune.llm.models import tiny_model
+
+        self.model = tiny_model("gpt2").train()
+        self.ids = torch.randint(0, 1000, (8, 16), generator=torch.Generator().manual_seed(0))
+
+
+def test_gpt2_conv1d_layers_and_restore_masks(tmp_path):
+    lm, cb = TinyGPT2(), SparseSwapsPruning(sparsity=0.25, include=["*.mlp.c_fc"], max_iters=5, calibration_batches=1)
+    make_trainer(tmp_path, cb, max_epochs=1, max_steps=1).fit(lm)
+    c_fc = lm.model.transformer.h[0].mlp.c_fc  # Conv1D, weight [d_in, d_out]
+    d_in = c_fc.weight_orig.shape[0]
+    assert c_fc.weight_mask.shape == c_fc.weight_orig.shape
+    assert bool((c_fc.weight_mask.sum(dim=0) == d_in - round(0.25 * d_in)).all())  # per output row of W^T
+    fresh = TinyGPT2()
+    assert sorted(restore_masks(fresh, lm.state_dict())) == sorted(cb.stats)
+    fresh.load_state_dict(lm.state_dict())
+    assert torch.equal(fresh.model.transformer.h[0].mlp.c_fc.weight_mask, c_fc.weight_mask)
