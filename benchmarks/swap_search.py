@@ -2,8 +2,9 @@
 
 Prints, per width d_in and sparsity pattern, the time per row-iteration and pairs/s (counting all
 d_in^2 pairs per row, as the issue defines it) for the naive search (each row's full d_in x d_in
-swap-cost matrix, then argmin), the vectorized torch backend and the compiled numba backend (at the
-Wanda warmstart, and after 10 refinement iterations, "@T10", where skipping helps less), the speed
+swap-cost matrix, then argmin), the vectorized torch backend and the compiled numba backend (on CUDA:
+the torch backend and the fused triton kernel) at the Wanda warmstart, the last backend also after 10
+refinement iterations ("@T10", where skipping helps less), the speed
 ratio against naive, and the machine's fp32 matmul rate measured in the same run.
 
     python benchmarks/swap_search.py [--device cpu] [--widths 576 1536 4096] [--rows 64]
@@ -46,11 +47,18 @@ def problem(d_in: int, rows: int, sparsity: float | None, nm, seed: int = 0):
     return weight, keep, correlation(weight, gram, keep), gram
 
 
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def timed(fn, repeat: int) -> float:
     fn()  # warm-up (and JIT compilation)
+    _sync()
     start = time.perf_counter()
     for _ in range(repeat):
         fn()
+    _sync()  # CUDA kernels run asynchronously
     return (time.perf_counter() - start) / repeat
 
 
@@ -74,7 +82,7 @@ def main() -> None:
     print(f"fp32 matmul: {matmul_gflops(args.device):.0f} GFLOP/s")
     header = f"{'d_in':>5} {'pattern':>8} {'backend':>9} {'s/row-iter':>11} {'pairs/s':>9} {'vs naive':>8}"
     print(header)
-    backends = ["torch", "numba"] if args.device == "cpu" else ["torch"]
+    backends = ["torch", "numba"] if args.device == "cpu" else ["torch", "triton"]
     for d_in in args.widths:
         for label, sparsity, nm in (("60%", 0.6, None), ("2:4", None, (2, 4))):
             weight, keep, corr, gram = (t.to(args.device) for t in problem(d_in, args.rows, sparsity, nm))

@@ -87,7 +87,8 @@ def refine_mask(
         row_batch: rows refined together (bounds memory); default fits ~64 MiB per ``[rows, d_in]``.
         device: where to compute (default: the weight's device).
         dtype: search dtype, ``torch.float32`` (fast) or ``torch.float64``.
-        backend: ``"auto"`` (compiled numba kernel on CPU, torch elsewhere), ``"torch"`` or ``"numba"``.
+        backend: ``"auto"`` (compiled numba kernel on CPU, fused Triton kernel on CUDA when triton is
+            installed, torch elsewhere), ``"torch"``, ``"numba"`` or ``"triton"``.
         resync_every: rebuild the float64 correlation vectors from scratch every this many iterations.
 
     Returns:

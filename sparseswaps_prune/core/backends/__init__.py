@@ -7,17 +7,21 @@ smallest ``p``. Backends search only; :mod:`sparseswaps_prune.core.swaps` applie
 
 * ``torch``: vectorized, any device, memory bounded by chunks of ``u`` (the reference).
 * ``numba``: compiled CPU kernel sharing each row of ``G`` across a block of rows.
+* ``triton``: fused CUDA kernel sharing each tile of ``G`` across a block of rows (on the CPU only
+  through the Triton interpreter, ``TRITON_INTERPRET=1``, for testing).
 * N:M always uses the block-local torch search (``O(d_in * m)`` per row).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
 from sparseswaps_prune.core.backends.nm_search import best_swaps_nm
 from sparseswaps_prune.core.backends.torch_search import best_swaps_torch
 
-BACKENDS = ("auto", "torch", "numba")
+BACKENDS = ("auto", "torch", "numba", "triton")
 
 
 def numba_available() -> bool:
@@ -29,18 +33,38 @@ def numba_available() -> bool:
     return True
 
 
+def triton_available() -> bool:
+    """True if the fused Triton kernel can be compiled (triton importable)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def resolve_backend(backend: str, device: torch.device, nm: tuple[int, int] | None) -> str:
-    """Pick the search backend: ``auto`` means numba on CPU (when installed), torch elsewhere."""
+    """Pick the search backend: ``auto`` means triton on CUDA (when installed), numba on CPU (when
+    installed), torch otherwise. ``triton`` on a non-CUDA device needs the interpreter (``TRITON_INTERPRET=1``).
+    """
     if backend not in BACKENDS:
         raise ValueError(f"unknown swap-search backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     if nm is not None:
         return "nm"
     if backend == "auto":
+        if device.type == "cuda" and triton_available():
+            return "triton"
         return "numba" if device.type == "cpu" and numba_available() else "torch"
     if backend == "numba" and device.type != "cpu":
         raise ValueError(f"backend='numba' runs on the CPU only, but the refinement device is {device}")
     if backend == "numba" and not numba_available():
         raise ValueError("backend='numba' needs the numba package: pip install numba")
+    if backend == "triton" and not triton_available():
+        raise ValueError("backend='triton' needs the triton package: pip install triton")
+    if backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(
+            f"backend='triton' runs on CUDA devices, but the refinement device is {device} "
+            "(set TRITON_INTERPRET=1 to run the kernel in the Triton interpreter, for testing only)"
+        )
     return backend
 
 
@@ -67,4 +91,8 @@ def best_swaps(
         from sparseswaps_prune.core.backends.numba_search import best_swaps_numba
 
         return best_swaps_numba(weight, keep, corr, gram)
+    if name == "triton":
+        from sparseswaps_prune.core.backends.triton_search import best_swaps_triton
+
+        return best_swaps_triton(weight, keep, corr, gram)
     return best_swaps_torch(weight, keep, corr, gram)
