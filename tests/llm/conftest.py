@@ -51,3 +51,12 @@ def local_task_dir(tmp_path: Path) -> Path:
     task_dir.mkdir()
     (task_dir / "tiny_mc.yaml").write_text(yaml.safe_dump(config), encoding="utf-8")
     return task_dir
+
+
+@pytest.fixture
+def saved_tiny(tmp_path, tiny_tokenizer) -> Path:
+    """A tiny random llama and the packaged tokenizer saved with ``save_pretrained`` (a local model dir)."""
+    path = tmp_path / "tiny-llama"
+    tiny_model("llama").save_pretrained(path)
+    tiny_tokenizer.save_pretrained(path)
+    return path

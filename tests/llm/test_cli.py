@@ -7,15 +7,6 @@ import json
 import pytest
 
 from sparseswaps_prune.cli import main
-from sparseswaps_prune.llm.models import tiny_model
-
-
-@pytest.fixture
-def saved_tiny(tmp_path, tiny_tokenizer):
-    path = tmp_path / "tiny-qwen2"
-    tiny_model("qwen2").save_pretrained(path)
-    tiny_tokenizer.save_pretrained(path)
-    return path
 
 
 def test_prune_report_eval(saved_tiny, tmp_path, capsys):

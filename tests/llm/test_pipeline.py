@@ -115,14 +115,6 @@ def test_include_exclude_patterns():
     assert sorted({r.kind for r in result.layers}) == ["gate_proj", "up_proj"]
 
 
-@pytest.fixture
-def saved_tiny(tmp_path, tiny_tokenizer):
-    path = tmp_path / "tiny-llama"
-    tiny_model("llama").save_pretrained(path)
-    tiny_tokenizer.save_pretrained(path)
-    return path
-
-
 def test_job_writes_complete_outputs_and_is_idempotent(saved_tiny, tmp_path):
     config = JobConfig(
         model=str(saved_tiny), prune=PruneOptions(max_iters=5), nsamples=4, seqlen=32, eval_windows=4, batch_size=2
