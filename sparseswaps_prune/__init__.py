@@ -2,6 +2,7 @@
 
 from sparseswaps_prune.core.gram import GramAccumulator
 from sparseswaps_prune.core.losses import row_losses
+from sparseswaps_prune.core.refit import refit_weights
 from sparseswaps_prune.core.swaps import RefineResult, refine_mask
 from sparseswaps_prune.core.warmstart import warmstart_mask
 from sparseswaps_prune.prune import SparseSwapsMethod, sparseswaps_unstructured
@@ -11,6 +12,7 @@ __all__ = [
     "RefineResult",
     "SparseSwapsMethod",
     "refine_mask",
+    "refit_weights",
     "row_losses",
     "sparseswaps_unstructured",
     "warmstart_mask",
