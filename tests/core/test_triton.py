@@ -1,15 +1,11 @@
 """The fused Triton swap search. Without a GPU the kernel runs in the Triton interpreter on CPU tensors
-(``TRITON_INTERPRET=1``, set here before triton is imported: Triton reads it when ``@triton.jit`` wraps the
-kernel, i.e. when ``triton_search`` is first imported); with CUDA the same tests run the compiled kernel."""
-
-import os
+(``TRITON_INTERPRET=1``, set in tests/conftest.py before anything imports triton: Triton reads it when
+triton is first imported); with CUDA the same tests run the compiled kernel."""
 
 import pytest
 import torch  # does not import triton
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-if DEVICE == "cpu":
-    os.environ["TRITON_INTERPRET"] = "1"
 
 pytest.importorskip("triton")
 
