@@ -120,14 +120,19 @@ def _fingerprint(options: PruneOptions, calib_tokens: torch.Tensor, n_blocks: in
     return h.hexdigest()[:16]
 
 
+def _replace_weight_mask(module: nn.Module, mask: torch.Tensor) -> None:
+    """Overwrite a pruned module's ``weight_mask`` (parameter layout) and recompute its masked weight."""
+    module.weight_mask.copy_(mask)
+    module.weight = module.weight_orig * module.weight_mask
+
+
 def apply_mask(layer: PrunableLayer, mask_2d: torch.Tensor) -> None:
     """Set ``layer``'s pruning mask (``[d_out, d_in]`` bool) through ``torch.nn.utils.prune``, in place.
 
     A layer pruned before gets its ``weight_mask`` buffer replaced rather than combined."""
     mask = layer.to_param_layout(mask_2d).to(device=layer.module.weight.device, dtype=layer.module.weight.dtype)
     if prune.is_pruned(layer.module) and hasattr(layer.module, "weight_mask"):
-        layer.module.weight_mask.copy_(mask)
-        layer.module.weight = layer.module.weight_orig * layer.module.weight_mask
+        _replace_weight_mask(layer.module, mask)
     else:
         prune.custom_from_mask(layer.module, "weight", mask.contiguous())
 
@@ -333,9 +338,7 @@ def masks_swapped(model: nn.Module, masks: dict[str, torch.Tensor]) -> Iterator[
         yield
     finally:
         for name, mask in saved.items():
-            module = modules[name]
-            module.weight_mask.copy_(mask)
-            module.weight = module.weight_orig * module.weight_mask
+            _replace_weight_mask(modules[name], mask)
 
 
 def finalize(model: nn.Module) -> None:
