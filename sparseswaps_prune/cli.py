@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from sparseswaps_prune.core.warmstart import WARMSTARTS
+from sparseswaps_prune.llm.pipeline import REFINERS, REFITS
 
 DEFAULT_MAX_ITERS = 25
 
@@ -44,6 +45,9 @@ def _prune(args: argparse.Namespace) -> int:
         eps=args.eps,
         include=args.include,
         exclude=args.exclude,
+        refine=args.refine,
+        refit=args.refit,
+        damp=args.damp,
     )
     config = JobConfig(
         model=args.model,
@@ -52,6 +56,7 @@ def _prune(args: argparse.Namespace) -> int:
         calib=args.calib,
         nsamples=args.nsamples,
         seqlen=args.seqlen,
+        holdout=args.holdout,
         eval=None if args.eval == "none" else args.eval,
         eval_windows=args.eval_windows,
         eval_warmstart=not args.no_eval_warmstart,
@@ -133,11 +138,17 @@ def build_parser() -> argparse.ArgumentParser:
     budget.add_argument("--nm", type=_nm, default=None, help="N:M pattern, e.g. 2:4")
     p.add_argument("--max-iters", type=int, default=DEFAULT_MAX_ITERS, help="SparseSwaps iterations T per layer")
     p.add_argument("--eps", type=float, default=0.0, help="stop a row when its best swap gains less")
+    p.add_argument("--refine", default="sparseswaps", choices=REFINERS, help="mask refinement after the warmstart")
+    p.add_argument(
+        "--refit", default="none", choices=REFITS, help="re-fit the kept weights (ls: exact least squares per row)"
+    )
+    p.add_argument("--damp", type=float, default=0.01, help="relative ridge dampening of the re-fit")
     p.add_argument("--include", nargs="+", default=None, help="fnmatch patterns of layer names to prune")
     p.add_argument("--exclude", nargs="+", default=None, help="fnmatch patterns of layer names to skip")
     p.add_argument("--calib", default="builtin", help="builtin | c4 | wikitext | PATH")
     p.add_argument("--nsamples", type=int, default=16)
     p.add_argument("--seqlen", type=int, default=256)
+    p.add_argument("--holdout", type=int, default=0, help="held-out calibration windows (layer losses on them)")
     p.add_argument("--eval", default="builtin", help="perplexity text: builtin | c4 | wikitext | PATH | none")
     p.add_argument("--eval-windows", type=int, default=32, help="at most this many eval windows")
     p.add_argument("--no-eval-warmstart", action="store_true", help="skip the warmstart model's perplexity")

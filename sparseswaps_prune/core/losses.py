@@ -1,4 +1,5 @@
-"""Per-row layer loss ``L_i = r_i^T G r_i`` with ``r_i = w_i * (1 - m_i)`` and its correlation vector."""
+"""Per-row layer loss ``L_i = r_i^T G r_i`` with ``r_i = w_i * (1 - m_i)`` (or ``r_i = w_i - w'_i`` for
+re-fitted weights ``w'``) and the correlation vector ``c_i = G r_i``."""
 
 from __future__ import annotations
 
@@ -28,9 +29,24 @@ def row_losses(weight: torch.Tensor, gram: torch.Tensor, keep_mask: torch.Tensor
     Returns:
         ``[d_out]`` float64 tensor ``L_i = r_i^T G r_i``, ``r_i = w_i * (1 - m_i)``, accumulated in float64.
     """
+    check_mask(keep_mask, weight)
+    return weight_losses(weight, torch.where(keep_mask, weight, 0), gram)
+
+
+def weight_losses(weight: torch.Tensor, pruned_weight: torch.Tensor, gram: torch.Tensor) -> torch.Tensor:
+    """Per-row loss of replacing ``weight`` by ``pruned_weight`` (e.g. masked and re-fitted).
+
+    Args:
+        weight: ``[d_out, d_in]`` dense float tensor (not modified).
+        pruned_weight: ``[d_out, d_in]`` float tensor (not modified).
+        gram: ``[d_in, d_in]`` Gram matrix of the layer inputs.
+
+    Returns:
+        ``[d_out]`` float64 tensor ``r_i^T G r_i`` with ``r_i = w_i - w'_i``, accumulated in float64.
+    """
     check_weight(weight)
     check_gram(gram, weight.shape[1])
-    check_mask(keep_mask, weight)
-    gram64 = gram.to(torch.float64)
-    residual = pruned_residual(weight, keep_mask, torch.float64)
-    return ((residual @ gram64) * residual).sum(dim=1)
+    if pruned_weight.shape != weight.shape:
+        raise ValueError(f"pruned_weight has shape {tuple(pruned_weight.shape)}, expected {tuple(weight.shape)}")
+    residual = weight.to(torch.float64) - pruned_weight.to(device=weight.device, dtype=torch.float64)
+    return ((residual @ gram.to(device=weight.device, dtype=torch.float64)) * residual).sum(dim=1)

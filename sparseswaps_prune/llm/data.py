@@ -233,8 +233,11 @@ def _check_sizes(nsamples: int, seqlen: int) -> None:
             raise ValueError(f"{name} must be at least 1, got {value}.")
 
 
-def _random_windows(ids: torch.Tensor, nsamples: int, seqlen: int, seed: int, source: str) -> torch.Tensor:
-    """Cut ``nsamples`` windows of ``seqlen`` tokens at seeded uniform random starts.
+def _random_windows(
+    ids: torch.Tensor, nsamples: int, seqlen: int, seed: int, source: str, holdout: int = 0
+) -> torch.Tensor:
+    """Cut ``nsamples`` windows of ``seqlen`` tokens at seeded uniform random starts, then ``holdout`` more
+    whose tokens overlap none of the first ``nsamples`` windows.
 
     Args:
         ids: LongTensor ``[1, N]``.
@@ -242,12 +245,14 @@ def _random_windows(ids: torch.Tensor, nsamples: int, seqlen: int, seed: int, so
         seqlen: Tokens per window.
         seed: Seed of the ``torch.Generator`` drawing the starts (from ``0 .. N - seqlen``).
         source: Source name, for error messages.
+        holdout: Number of held-out windows appended (uniform over the starts that keep them disjoint
+            from the first ``nsamples`` windows; they may overlap each other).
 
     Returns:
-        LongTensor ``[nsamples, seqlen]``; windows may overlap.
+        LongTensor ``[nsamples + holdout, seqlen]``; the first ``nsamples`` windows may overlap.
 
     Raises:
-        ValueError: ``N < seqlen``.
+        ValueError: ``N < seqlen``, or no room for a held-out window.
     """
     total = ids.shape[1]
     if total < seqlen:
@@ -257,6 +262,16 @@ def _random_windows(ids: torch.Tensor, nsamples: int, seqlen: int, seed: int, so
         )
     generator = torch.Generator().manual_seed(seed)
     starts = torch.randint(0, total - seqlen + 1, (nsamples,), generator=generator)
+    if holdout:
+        candidates = torch.arange(total - seqlen + 1)
+        free = ((candidates[:, None] - starts[None, :]).abs() >= seqlen).all(dim=1)
+        if not bool(free.any()):
+            raise ValueError(
+                f"Calibration source {source!r} ({total} tokens) has no room for held-out windows disjoint from "
+                f"{nsamples} x {seqlen} calibration windows; use fewer or shorter windows, or more text."
+            )
+        pick = torch.randint(0, int(free.sum()), (holdout,), generator=generator)
+        starts = torch.cat([starts, candidates[free][pick]])
     offsets = torch.arange(seqlen)
     return ids[0, starts[:, None] + offsets[None, :]]
 
@@ -267,9 +282,11 @@ def _document_windows(
     nsamples: int,
     seqlen: int,
     seed: int,
+    holdout: int = 0,
 ) -> torch.Tensor:
     """Wanda's C4 sampling: per sample, draw random documents until one has more than ``seqlen``
-    tokens, then cut a window of ``seqlen`` tokens at a random start inside it.
+    tokens, then cut a window of ``seqlen`` tokens at a random start inside it. ``holdout`` more windows
+    are appended, drawn the same way from documents none of the first ``nsamples`` windows came from.
 
     Args:
         documents: The documents.
@@ -279,26 +296,30 @@ def _document_windows(
         seed: Seed of the ``torch.Generator`` drawing documents and starts.
 
     Returns:
-        LongTensor ``[nsamples, seqlen]``.
+        LongTensor ``[nsamples + holdout, seqlen]``.
 
     Raises:
-        ValueError: no long enough document after ``1000 * nsamples`` draws.
+        ValueError: no long enough document after ``1000 * (nsamples + holdout)`` draws.
     """
     generator = torch.Generator().manual_seed(seed)
-    windows = []
+    windows, used = [], set()
     draws = 0
-    while len(windows) < nsamples:
-        if draws >= _MAX_DRAWS_PER_SAMPLE * nsamples:
+    while len(windows) < nsamples + holdout:
+        if draws >= _MAX_DRAWS_PER_SAMPLE * (nsamples + holdout):
             raise ValueError(
                 f"Found only {len(windows)} of {nsamples} C4 documents longer than seqlen={seqlen} tokens "
                 f"in {draws} random draws; use a smaller seqlen."
             )
         draws += 1
         index = int(torch.randint(len(documents), (1,), generator=generator))
+        if len(windows) >= nsamples and index in used:
+            continue
         ids = tokenizer(documents[index], return_tensors="pt", verbose=False).input_ids.long()
         if ids.shape[1] > seqlen:
             start = int(torch.randint(ids.shape[1] - seqlen + 1, (1,), generator=generator))
             windows.append(ids[0, start : start + seqlen])
+            if len(windows) <= nsamples:
+                used.add(index)
     return torch.stack(windows)
 
 
@@ -308,8 +329,13 @@ def load_calibration(
     nsamples: int,
     seqlen: int,
     seed: int = 0,
+    holdout: int = 0,
 ) -> torch.Tensor:
     """Draw calibration windows (Wanda / SparseGPT protocol), deterministically for a given seed.
+
+    With ``holdout > 0``, that many held-out windows follow the ``nsamples`` calibration windows; their
+    tokens come from outside every calibration window (other documents for C4). The first ``nsamples``
+    windows are the same with or without a held-out part.
 
     * ``"builtin"``, ``"wikitext"``, local paths: the whole text is tokenized and ``nsamples``
       windows of ``seqlen`` tokens start at uniform random offsets (a seeded ``torch.Generator``).
@@ -325,9 +351,10 @@ def load_calibration(
         nsamples: Number of windows, at least 1.
         seqlen: Tokens per window, at least 1.
         seed: Seed of the window draws.
+        holdout: Number of held-out windows appended (held-out Grams measure generalisation).
 
     Returns:
-        LongTensor ``[nsamples, seqlen]`` of token ids (CPU).
+        LongTensor ``[nsamples + holdout, seqlen]`` of token ids (CPU).
 
     Raises:
         FileNotFoundError: a local path that does not exist.
@@ -336,11 +363,13 @@ def load_calibration(
             unreadable local file.
     """
     _check_sizes(nsamples, seqlen)
+    if isinstance(holdout, bool) or not isinstance(holdout, int) or holdout < 0:
+        raise ValueError(f"holdout must be an int >= 0, got {holdout!r}.")
     if source == "c4":
         import datasets
 
         data = datasets.load_dataset(C4_REPO, data_files={"train": C4_TRAIN_FILE}, split="train")
-        windows = _document_windows(data["text"], tokenizer, nsamples, seqlen, seed)
+        windows = _document_windows(data["text"], tokenizer, nsamples, seqlen, seed, holdout)
     else:
         if source == "builtin":
             text = builtin_text("calib")
@@ -350,7 +379,7 @@ def load_calibration(
             text = " ".join(datasets.load_dataset("wikitext", "wikitext-2-raw-v1", split="train")["text"])
         else:
             text = "\n\n".join(_read_local_documents(source))
-        windows = _random_windows(_tokenize(text, tokenizer, source), nsamples, seqlen, seed, source)
+        windows = _random_windows(_tokenize(text, tokenizer, source), nsamples, seqlen, seed, source, holdout)
     logger.info("Calibration: %d windows of %d tokens from %r (seed %d)", nsamples, seqlen, source, seed)
     return windows
 

@@ -39,6 +39,8 @@ class JobConfig:
         prune: :class:`PruneOptions`.
         calib: calibration source (``builtin``, ``c4``, ``wikitext`` or a local file/directory).
         nsamples, seqlen: calibration windows and their length in tokens.
+        holdout: extra held-out calibration windows, disjoint from the calibration windows; every layer's
+            losses are also reported on their Gram (0: none).
         eval: perplexity text source (same choices as ``calib``); None skips evaluation.
         eval_windows: at most this many windows of ``seqlen`` tokens are scored (None: all).
         eval_warmstart: also measure the perplexity of the warmstart masks (same run, same Grams).
@@ -52,6 +54,7 @@ class JobConfig:
     calib: str = "builtin"
     nsamples: int = 16
     seqlen: int = 256
+    holdout: int = 0
     eval: str | None = "builtin"
     eval_windows: int | None = 32
     eval_warmstart: bool = True
@@ -78,6 +81,8 @@ class JobConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if isinstance(self.holdout, bool) or not isinstance(self.holdout, int) or self.holdout < 0:
+            raise ValueError(f"holdout must be an int >= 0, got {self.holdout!r}")
         if self.dtype not in ("float32", "float16", "bfloat16"):
             raise ValueError(f"dtype must be float32, float16 or bfloat16, got {self.dtype!r}")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
@@ -111,7 +116,10 @@ def run_job(config: JobConfig, out_dir: str | os.PathLike[str], *, progress: boo
     start = time.perf_counter()
     model, tokenizer = load_model(config.model, gguf_file=config.gguf_file, dtype=getattr(torch, config.dtype))
     _check_context(model, config.seqlen)
-    calib = load_calibration(config.calib, tokenizer, config.nsamples, config.seqlen, seed=config.seed)
+    windows = load_calibration(
+        config.calib, tokenizer, config.nsamples, config.seqlen, seed=config.seed, holdout=config.holdout
+    )
+    calib, holdout = windows[: config.nsamples], windows[config.nsamples :] if config.holdout else None
     eval_tokens = load_eval_tokens(config.eval, tokenizer) if config.eval else None
 
     def ppl() -> float | None:
@@ -142,11 +150,13 @@ def run_job(config: JobConfig, out_dir: str | os.PathLike[str], *, progress: boo
         batch_size=config.batch_size,
         checkpoint_dir=state,
         progress=progress,
+        holdout_tokens=holdout,
+        keep_dense=config.eval_warmstart and eval_tokens is not None,
     )
     refined = ppl()
     warm = None
     if config.eval_warmstart and eval_tokens is not None:
-        with masks_swapped(model, result.warmstart_masks):
+        with masks_swapped(model, result.warmstart_masks, result.dense_weights):
             warm = ppl()
     finalize(model)
     report = {
@@ -190,6 +200,11 @@ def summary(report: dict[str, Any]) -> str:
         f"summed layer loss: warmstart {t['loss_warmstart']:.6g} -> SparseSwaps {t['loss_refined']:.6g} "
         f"({t['reduction']:.1%} lower; mean per-layer reduction {t['mean_layer_reduction']:.1%})"
     )
+    if t.get("loss_refit") is not None:
+        lines.append(f"re-fitted weights: summed layer loss {t['loss_refit']:.6g}")
+    if t.get("holdout_warmstart") is not None:
+        held = [t["holdout_warmstart"], t["holdout_refined"], t["holdout_refit"]]
+        lines.append("held-out layer loss: " + " -> ".join(f"{v:.6g}" for v in held if v is not None))
     fmt = lambda v: "n/a" if v is None else f"{v:.3f}"  # noqa: E731
     lines.append(
         f"perplexity: dense {fmt(ppl['dense'])} | warmstart {fmt(ppl['warmstart'])} | SparseSwaps {fmt(ppl['refined'])}"

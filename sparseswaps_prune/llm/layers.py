@@ -122,7 +122,14 @@ class PrunableLayer:
         in-place writes to it (e.g. ``weight_2d().mul_(mask)``) modify the layer; for ``Conv1D`` it is a
         non-contiguous transpose view.
         """
-        weight = self.module.weight.data
+        return self._as_2d(self.module.weight.data)
+
+    def dense_weight_2d(self) -> torch.Tensor:
+        """Like :meth:`weight_2d`, but of the unmasked ``weight_orig`` when the layer is pruned through
+        ``torch.nn.utils.prune`` (the dense or re-fitted weights), detached."""
+        return self._as_2d(getattr(self.module, "weight_orig", self.module.weight).detach())
+
+    def _as_2d(self, weight: torch.Tensor) -> torch.Tensor:
         return weight.t() if self.is_transposed else weight
 
     def to_param_layout(self, mask_2d: torch.Tensor) -> torch.Tensor:

@@ -26,12 +26,18 @@ from tqdm.auto import tqdm
 from sparseswaps_prune.atomic import save_json, save_torch
 from sparseswaps_prune.core.checks import check_budget
 from sparseswaps_prune.core.gram import GramAccumulator
+from sparseswaps_prune.core.losses import row_losses, weight_losses
+from sparseswaps_prune.core.refit import refit_weights
 from sparseswaps_prune.core.swaps import refine_mask
 from sparseswaps_prune.core.warmstart import WARMSTARTS, warmstart_mask
 from sparseswaps_prune.llm.capture import BlockInputs, capture_block_inputs
 from sparseswaps_prune.llm.layers import PrunableLayer, find_blocks, find_layers, group_by_input, input_hooks
 
 logger = logging.getLogger(__name__)
+
+
+REFINERS = ("sparseswaps", "none")
+REFITS = ("none", "ls")
 
 
 @dataclass
@@ -46,6 +52,11 @@ class PruneOptions:
         eps: a row stops once its best swap gains less than ``eps``.
         include, exclude: fnmatch patterns on fully qualified layer names (default: every linear in
             every decoder block; ``lm_head`` and embeddings are outside the blocks and never pruned).
+        refine: ``"sparseswaps"`` (1-swap refinement, ``max_iters`` iterations) or ``"none"``.
+        refit: ``"none"`` (kept weights unchanged) or ``"ls"``: after the mask is final, every row's kept
+            weights are re-fitted by exact least squares on the calibration Gram (``refit_weights``); the
+            re-fitted weights land in ``weight_orig``.
+        damp: relative ridge dampening of the re-fit, ``lambda = damp * mean(diag G)``.
         gram_dtype: ``"float32"`` or ``"float64"`` Gram accumulation.
         search_dtype: ``"float32"`` or ``"float64"`` swap search.
         blocks_path: dotted path of the decoder-block list when auto-detection fails.
@@ -58,6 +69,9 @@ class PruneOptions:
     eps: float = 0.0
     include: list[str] | None = None
     exclude: list[str] | None = None
+    refine: str = "sparseswaps"
+    refit: str = "none"
+    damp: float = 0.01
     gram_dtype: str = "float32"
     search_dtype: str = "float32"
     blocks_path: str | None = None
@@ -71,6 +85,11 @@ class PruneOptions:
         check_budget(self.sparsity, self.nm, self.nm[1] if self.nm else 1)
         if isinstance(self.max_iters, bool) or not isinstance(self.max_iters, int) or self.max_iters < 0:
             raise ValueError(f"max_iters must be an int >= 0, got {self.max_iters!r}")
+        for name, choices in (("refine", REFINERS), ("refit", REFITS)):
+            if getattr(self, name) not in choices:
+                raise ValueError(f"{name} must be one of {', '.join(choices)}; got {getattr(self, name)!r}")
+        if not (isinstance(self.damp, (int, float)) and self.damp >= 0):
+            raise ValueError(f"damp must be a number >= 0, got {self.damp!r}")
         for name in ("gram_dtype", "search_dtype"):
             if getattr(self, name) not in ("float32", "float64"):
                 raise ValueError(f"{name} must be 'float32' or 'float64', got {getattr(self, name)!r}")
@@ -78,7 +97,12 @@ class PruneOptions:
 
 @dataclass
 class LayerReport:
-    """One pruned layer: shapes, achieved sparsity, losses (summed over rows, float64), swaps and time."""
+    """One pruned layer: shapes, achieved sparsity, losses (summed over rows, float64), swaps and time.
+
+    ``loss_*`` are measured on the calibration Gram: ``loss_warmstart`` and ``loss_refined`` with the kept
+    weights as they are (the mask-only loss), ``loss_refit`` with the re-fitted weights (None without
+    re-fit). ``holdout_*`` are the same losses on the held-out calibration Gram (None without one).
+    """
 
     name: str
     block: int
@@ -90,6 +114,16 @@ class LayerReport:
     n_swaps: int
     iters: int
     seconds: float
+    loss_refit: float | None = None
+    seconds_refit: float = 0.0
+    holdout_warmstart: float | None = None
+    holdout_refined: float | None = None
+    holdout_refit: float | None = None
+
+    @property
+    def loss_final(self) -> float:
+        """Calibration loss of the weights the layer ends with."""
+        return self.loss_refined if self.loss_refit is None else self.loss_refit
 
     @property
     def kind(self) -> str:
@@ -104,18 +138,24 @@ class LayerReport:
 
 @dataclass
 class PruneResult:
-    """What :func:`prune_model` returns: per-layer reports and both mask sets (``[d_out, d_in]`` bool, CPU)."""
+    """What :func:`prune_model` returns: per-layer reports and both mask sets (``[d_out, d_in]`` bool, CPU).
+
+    ``dense_weights`` holds the original ``[d_out, d_in]`` weights (CPU) of layers whose weights were
+    re-fitted, when :func:`prune_model` was asked to keep them (e.g. to evaluate the warmstart masks).
+    """
 
     layers: list[LayerReport] = field(default_factory=list)
     masks: dict[str, torch.Tensor] = field(default_factory=dict)
     warmstart_masks: dict[str, torch.Tensor] = field(default_factory=dict)
+    dense_weights: dict[str, torch.Tensor] = field(default_factory=dict)
     seconds: float = 0.0
 
 
-def _fingerprint(options: PruneOptions, calib_tokens: torch.Tensor, n_blocks: int) -> str:
+def _fingerprint(options: PruneOptions, token_sets: list[torch.Tensor | None], n_blocks: int) -> str:
     """Hash of everything that determines the masks: options, calibration tokens, model depth."""
     h = hashlib.sha256(json.dumps(asdict(options), sort_keys=True).encode())
-    h.update(calib_tokens.to(torch.int64).numpy().tobytes())
+    for tokens in token_sets:
+        h.update(b"-" if tokens is None else tokens.to(torch.int64).numpy().tobytes())
     h.update(str(n_blocks).encode())
     return h.hexdigest()[:16]
 
@@ -126,20 +166,19 @@ def _replace_weight_mask(module: nn.Module, mask: torch.Tensor) -> None:
     module.weight = module.weight_orig * module.weight_mask
 
 
-def apply_mask(layer: PrunableLayer, mask_2d: torch.Tensor) -> None:
+def apply_mask(layer: PrunableLayer, mask_2d: torch.Tensor, weight_2d: torch.Tensor | None = None) -> None:
     """Set ``layer``'s pruning mask (``[d_out, d_in]`` bool) through ``torch.nn.utils.prune``, in place.
 
-    A layer pruned before gets its ``weight_mask`` buffer replaced rather than combined."""
-    mask = layer.to_param_layout(mask_2d).to(device=layer.module.weight.device, dtype=layer.module.weight.dtype)
-    if prune.is_pruned(layer.module) and hasattr(layer.module, "weight_mask"):
-        _replace_weight_mask(layer.module, mask)
-    else:
-        prune.custom_from_mask(layer.module, "weight", mask.contiguous())
-
-
-def _dense_weight_2d(layer: PrunableLayer) -> torch.Tensor:
-    weight = getattr(layer.module, "weight_orig", layer.module.weight).detach()
-    return weight.t() if layer.is_transposed else weight
+    A layer pruned before gets its ``weight_mask`` buffer replaced rather than combined. ``weight_2d``
+    (``[d_out, d_in]``, e.g. re-fitted weights) replaces the dense weights in ``weight_orig``."""
+    module = layer.module
+    mask = layer.to_param_layout(mask_2d).to(device=module.weight.device, dtype=module.weight.dtype)
+    if not (prune.is_pruned(module) and hasattr(module, "weight_mask")):
+        prune.custom_from_mask(module, "weight", mask.contiguous())
+    if weight_2d is not None:
+        with torch.no_grad():
+            module.weight_orig.copy_(layer.to_param_layout(weight_2d))
+    _replace_weight_mask(module, mask)
 
 
 def prune_model(
@@ -151,6 +190,8 @@ def prune_model(
     batch_size: int = 1,
     checkpoint_dir: str | Path | None = None,
     progress: bool = True,
+    holdout_tokens: torch.Tensor | None = None,
+    keep_dense: bool = False,
 ) -> PruneResult:
     """Prune every linear layer of every decoder block of ``model``, block by block.
 
@@ -164,6 +205,10 @@ def prune_model(
         batch_size: calibration windows per block forward.
         checkpoint_dir: where finished blocks are recorded for resuming (created if missing).
         progress: show tqdm progress bars.
+        holdout_tokens: ``[h, seqlen]`` int64 held-out calibration windows (not the evaluation text): they
+            follow the pruned model block by block like ``calib_tokens`` and give every layer a second Gram on
+            which its losses are reported (``LayerReport.holdout_*``); they never influence the masks.
+        keep_dense: keep the original weights of re-fitted layers in ``PruneResult.dense_weights``.
 
     Returns:
         :class:`PruneResult` (reports for every layer, including those of resumed blocks).
@@ -172,21 +217,23 @@ def prune_model(
     start = time.perf_counter()
     blocks_name, blocks = find_blocks(model, options.blocks_path)
     device = torch.device(device)
-    fingerprint = _fingerprint(options, calib_tokens, len(blocks))
+    fingerprint = _fingerprint(options, [calib_tokens, holdout_tokens], len(blocks))
     state = Path(checkpoint_dir) if checkpoint_dir is not None else None
     result, first_block, inputs = PruneResult(), 0, None
     if state is not None and (state / "progress.json").exists():
-        first_block, inputs = _resume(state, fingerprint, model, blocks, blocks_name, options, result)
+        first_block, inputs = _resume(state, fingerprint, model, blocks, blocks_name, options, result, keep_dense)
     if inputs is None:
-        inputs = capture_block_inputs(model, blocks, calib_tokens, batch_size=batch_size)
+        inputs = {"fit": capture_block_inputs(model, blocks, calib_tokens, batch_size=batch_size)}
+        if holdout_tokens is not None:
+            inputs["holdout"] = capture_block_inputs(model, blocks, holdout_tokens, batch_size=batch_size)
     bar = tqdm(
         range(first_block, len(blocks)), desc="blocks", disable=not progress, initial=first_block, total=len(blocks)
     )
     for index in bar:
         block = blocks[index].to(device)
         layers = find_layers(block, prefix=f"{blocks_name}.{index}", include=options.include, exclude=options.exclude)
-        reports = _prune_block(block, layers, inputs, options, device, result, index, progress)
-        inputs = inputs.run_block(block, device)
+        reports = _prune_block(block, layers, inputs, options, device, result, index, progress, keep_dense)
+        inputs = {key: part.run_block(block, device) for key, part in inputs.items()}
         blocks[index].to("cpu")
         result.layers.extend(reports)
         if state is not None:
@@ -200,98 +247,141 @@ def prune_model(
 def _prune_block(
     block: nn.Module,
     layers: list[PrunableLayer],
-    inputs: BlockInputs,
+    inputs: dict[str, BlockInputs],
     options: PruneOptions,
     device: torch.device,
     result: PruneResult,
     index: int,
     progress: bool,
+    keep_dense: bool,
 ) -> list[LayerReport]:
-    """Accumulate the block's Grams, then warmstart + refine + apply every layer's mask."""
+    """Accumulate the block's Grams (one per distinct input and token set), then prune every layer."""
     if not layers:
         return []
-    hidden, kwargs = next(inputs.batches(device))
+    hidden, kwargs = next(inputs["fit"].batches(device))
     groups = group_by_input(block, layers, hidden, **kwargs)
-    accumulators = {
-        group[0].name: GramAccumulator(group[0].d_in, dtype=getattr(torch, options.gram_dtype)) for group in groups
-    }
-    with input_hooks(groups, lambda key, x: accumulators[key].add(x)):
-        inputs.feed_block(block, device)
-    gram_of = {layer.name: accumulators[group[0].name] for group in groups for layer in group}
+    grams: dict[str, dict[str, GramAccumulator]] = {}
+    for key, part in inputs.items():
+        accumulators = {
+            group[0].name: GramAccumulator(group[0].d_in, dtype=getattr(torch, options.gram_dtype)) for group in groups
+        }
+        with input_hooks(groups, lambda name, x, accs=accumulators: accs[name].add(x)):
+            part.feed_block(block, device)
+        grams[key] = {layer.name: accumulators[group[0].name] for group in groups for layer in group}
     reports = []
     for layer in tqdm(layers, desc=f"block {index}", leave=False, disable=not progress):
-        reports.append(_prune_layer(layer, gram_of[layer.name], options, device, result, index))
+        holdout = grams["holdout"][layer.name] if "holdout" in grams else None
+        report, refit = _prune_layer(layer, grams["fit"][layer.name], holdout, options, device, result, index)
+        if keep_dense and refit is not None:
+            result.dense_weights[layer.name] = layer.dense_weight_2d().cpu().clone()
+        apply_mask(layer, result.masks[layer.name], refit)
+        reports.append(report)
     return reports
+
+
+def _no_tokens(acc: GramAccumulator | None) -> bool:
+    return acc is not None and (acc.n_tokens == 0 or acc.gram is None)
 
 
 def _prune_layer(
     layer: PrunableLayer,
     acc: GramAccumulator,
+    holdout: GramAccumulator | None,
     options: PruneOptions,
     device: torch.device,
     result: PruneResult,
     index: int,
-) -> LayerReport:
-    """Warmstart, refine and apply one layer's mask; errors name the layer."""
+) -> tuple[LayerReport, torch.Tensor | None]:
+    """Warmstart, refine and (optionally) re-fit one layer; errors name the layer.
+
+    Records the masks in ``result`` and returns the report and the re-fitted ``[d_out, d_in]`` weights (None
+    without re-fit); the caller applies them."""
     start = time.perf_counter()
-    weight = _dense_weight_2d(layer).float()
+    weight = layer.dense_weight_2d().float()
     try:
-        if acc.n_tokens == 0 or acc.gram is None:
+        if _no_tokens(acc) or _no_tokens(holdout):
             raise ValueError(
                 "saw no calibration tokens (its forward hook never fired); check that the block uses it, "
                 "or exclude it with --exclude"
             )
         keep = warmstart_mask(weight, options.warmstart, sparsity=options.sparsity, nm=options.nm, gram=acc.gram)
-        refined = refine_mask(
-            weight,
-            acc.gram,
-            keep,
-            max_iters=options.max_iters,
-            nm=options.nm,
-            eps=options.eps,
-            device=device,
-            dtype=getattr(torch, options.search_dtype),
-        )
+        if options.refine == "sparseswaps":
+            refined = refine_mask(
+                weight,
+                acc.gram,
+                keep,
+                max_iters=options.max_iters,
+                nm=options.nm,
+                eps=options.eps,
+                device=device,
+                dtype=getattr(torch, options.search_dtype),
+            )
+            mask, loss_warm, loss_refined = refined.mask, refined.loss_before, refined.loss_after
+            n_swaps, iters = int(refined.n_swaps.sum()), refined.iters
+        else:
+            mask, n_swaps, iters = keep, 0, 0
+            loss_warm = loss_refined = row_losses(weight, acc.gram, keep)
+        seconds = time.perf_counter() - start
+        refit = None
+        if options.refit == "ls":
+            refit = refit_weights(weight.to(device), acc.gram.to(device), mask.to(device), damp=options.damp).cpu()
     except (ValueError, TypeError) as err:
         raise type(err)(f"layer {layer.name}: {err}") from None
-    apply_mask(layer, refined.mask)
-    result.masks[layer.name] = refined.mask.cpu()
+    result.masks[layer.name] = mask.cpu()
     result.warmstart_masks[layer.name] = keep.cpu()
-    return LayerReport(
+    report = LayerReport(
         name=layer.name,
         block=index,
         d_out=layer.d_out,
         d_in=layer.d_in,
-        sparsity=1.0 - float(refined.mask.float().mean()),
-        loss_warmstart=float(refined.loss_before.sum()),
-        loss_refined=float(refined.loss_after.sum()),
-        n_swaps=int(refined.n_swaps.sum()),
-        iters=refined.iters,
-        seconds=time.perf_counter() - start,
+        sparsity=1.0 - float(mask.float().mean()),
+        loss_warmstart=float(loss_warm.sum()),
+        loss_refined=float(loss_refined.sum()),
+        n_swaps=n_swaps,
+        iters=iters,
+        seconds=seconds,
     )
+    if refit is not None:
+        report.loss_refit = float(weight_losses(weight, refit, acc.gram).sum())
+        report.seconds_refit = time.perf_counter() - start - seconds
+    if holdout is not None:
+        report.holdout_warmstart = float(row_losses(weight, holdout.gram, keep.cpu()).sum())
+        report.holdout_refined = float(row_losses(weight, holdout.gram, mask.cpu()).sum())
+        if refit is not None:
+            report.holdout_refit = float(weight_losses(weight, refit, holdout.gram).sum())
+    return report, refit
 
 
 def _checkpoint(
     state: Path,
     fingerprint: str,
     index: int,
-    inputs: BlockInputs,
+    inputs: dict[str, BlockInputs],
     layers: list[PrunableLayer],
     result: PruneResult,
     reports: list[LayerReport],
 ) -> None:
-    """Record block ``index`` as finished: its masks, the next block's inputs, then the progress marker."""
+    """Record block ``index`` as finished: its masks (and re-fitted weights), the next block's inputs, then
+    the progress marker."""
     names = [layer.name for layer in layers]
+    refitted = {layer.name: layer.dense_weight_2d().cpu() for layer in layers if _is_refit(reports, layer)}
     save_torch(
         {
             "masks": {n: result.masks[n] for n in names},
             "warmstart": {n: result.warmstart_masks[n] for n in names},
+            "weights": refitted,
+            "dense": {n: result.dense_weights[n] for n in names if n in result.dense_weights},
             "reports": [asdict(r) for r in reports],
         },
         state / f"block_{index:04d}.pt",
     )
-    inputs.save(state / "inputs.pt")
-    save_json({"fingerprint": fingerprint, "next_block": index + 1}, state / "progress.json")
+    for key, part in inputs.items():
+        part.save(state / f"inputs_{key}.pt")
+    save_json({"fingerprint": fingerprint, "next_block": index + 1, "inputs": sorted(inputs)}, state / "progress.json")
+
+
+def _is_refit(reports: list[LayerReport], layer: PrunableLayer) -> bool:
+    return any(r.name == layer.name and r.loss_refit is not None for r in reports)
 
 
 def _resume(
@@ -302,8 +392,9 @@ def _resume(
     blocks_name: str,
     options: PruneOptions,
     result: PruneResult,
-) -> tuple[int, BlockInputs]:
-    """Re-apply the masks of finished blocks and load the next block's inputs."""
+    keep_dense: bool,
+) -> tuple[int, dict[str, BlockInputs]]:
+    """Re-apply the masks (and re-fitted weights) of finished blocks and load the next block's inputs."""
     progress = json.loads((state / "progress.json").read_text())
     if progress.get("fingerprint") != fingerprint:
         raise ValueError(
@@ -317,28 +408,36 @@ def _resume(
             blocks[index], prefix=f"{blocks_name}.{index}", include=options.include, exclude=options.exclude
         )
         for layer in layers:
-            apply_mask(layer, saved["masks"][layer.name])
+            apply_mask(layer, saved["masks"][layer.name], saved["weights"].get(layer.name))
         result.masks.update(saved["masks"])
         result.warmstart_masks.update(saved["warmstart"])
+        if keep_dense:
+            result.dense_weights.update(saved["dense"])
         result.layers.extend(LayerReport(**r) for r in saved["reports"])
     logger.info("resuming at block %d of %d from %s", next_block, len(blocks), state)
-    return next_block, BlockInputs.load(state / "inputs.pt")
+    return next_block, {key: BlockInputs.load(state / f"inputs_{key}.pt") for key in progress["inputs"]}
 
 
 @contextlib.contextmanager
-def masks_swapped(model: nn.Module, masks: dict[str, torch.Tensor]) -> Iterator[None]:
-    """Temporarily use other masks (e.g. the warmstart's) on a pruned model; restores the current ones."""
+def masks_swapped(
+    model: nn.Module, masks: dict[str, torch.Tensor], weights: dict[str, torch.Tensor] | None = None
+) -> Iterator[None]:
+    """Temporarily use other masks (e.g. the warmstart's) on a pruned model, and other ``[d_out, d_in]``
+    weights where ``weights`` has them (e.g. ``PruneResult.dense_weights``); restores the current ones."""
     modules = dict(model.named_modules())
+    weights = weights or {}
     saved = {}
     try:
         for name, mask in masks.items():
             layer = PrunableLayer(name, modules[name])
-            saved[name] = layer.module.weight_mask.clone()
-            apply_mask(layer, mask)
+            saved[name] = (layer, layer.module.weight_mask.clone(), layer.dense_weight_2d().clone())
+            apply_mask(layer, mask, weights.get(name))
         yield
     finally:
-        for name, mask in saved.items():
-            _replace_weight_mask(modules[name], mask)
+        for layer, mask, weight in saved.values():
+            with torch.no_grad():
+                layer.module.weight_orig.copy_(layer.to_param_layout(weight))
+            _replace_weight_mask(layer.module, mask)
 
 
 def finalize(model: nn.Module) -> None:

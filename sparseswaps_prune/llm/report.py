@@ -26,6 +26,11 @@ CSV_FIELDS = (
     "n_swaps",
     "iters",
     "seconds",
+    "loss_refit",
+    "seconds_refit",
+    "holdout_warmstart",
+    "holdout_refined",
+    "holdout_refit",
 )
 
 
@@ -34,8 +39,14 @@ def layer_rows(layers: Sequence[LayerReport]) -> list[dict[str, Any]]:
     return [asdict(layer) | {"reduction": layer.reduction} for layer in layers]
 
 
-def totals(layers: Sequence[LayerReport]) -> dict[str, float]:
-    """Summed losses, overall relative reduction, mean per-layer reduction, swaps and refinement time."""
+def _sum(layers: Sequence[LayerReport], name: str) -> float | None:
+    values = [getattr(layer, name) for layer in layers]
+    return None if not values or any(v is None for v in values) else float(sum(values))
+
+
+def totals(layers: Sequence[LayerReport]) -> dict[str, float | None]:
+    """Summed losses, overall relative reduction, mean per-layer reduction, swaps and time; the re-fit and
+    held-out sums are None where a layer lacks them."""
     before = sum(layer.loss_warmstart for layer in layers)
     after = sum(layer.loss_refined for layer in layers)
     return {
@@ -44,7 +55,9 @@ def totals(layers: Sequence[LayerReport]) -> dict[str, float]:
         "reduction": 0.0 if before <= 0 else 1.0 - after / before,
         "mean_layer_reduction": sum(layer.reduction for layer in layers) / max(1, len(layers)),
         "n_swaps": sum(layer.n_swaps for layer in layers),
-        "seconds": sum(layer.seconds for layer in layers),
+        "seconds": sum(layer.seconds + layer.seconds_refit for layer in layers),
+        "loss_final": sum(layer.loss_final for layer in layers),
+        **{name: _sum(layers, name) for name in CSV_FIELDS[-5:] if name != "seconds_refit"},
     }
 
 

@@ -31,3 +31,16 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
     assert "[0, 1)" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["prune", "--nm", "2-4", "--out", str(tmp_path / "y")])
+
+
+def test_prune_with_refit_and_holdout(saved_tiny, tmp_path, capsys):
+    out = tmp_path / "refit"
+    args = ["prune", "--model", str(saved_tiny), "--nsamples", "3", "--holdout", "2", "--refit", "ls",
+            "--refine", "none", "--seqlen", "32", "--eval-windows", "2", "--out", str(out)]  # fmt: skip
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    assert "re-fitted weights: summed layer loss" in printed and "held-out layer loss" in printed
+    report = json.loads((out / "report.json").read_text())
+    t = report["totals"]
+    assert t["n_swaps"] == 0 and t["loss_refit"] <= t["loss_refined"] and t["holdout_refit"] is not None
+    assert report["config"]["holdout"] == 2 and report["perplexity"]["warmstart"] > 1

@@ -17,6 +17,7 @@ from sparseswaps_prune.llm.data import (
     C4_REPO,
     C4_TRAIN_FILE,
     C4_VALIDATION_FILE,
+    _tokenize,
     builtin_text,
     load_calibration,
     load_eval_tokens,
@@ -239,3 +240,26 @@ def test_c4_eval_joins_first_validation_documents(monkeypatch, tiny_tokenizer):
     tokens = load_eval_tokens("c4", tiny_tokenizer)
     assert fake.calls == [((C4_REPO,), {"data_files": {"validation": C4_VALIDATION_FILE}, "split": "validation"})]
     assert torch.equal(tokens, _ids(tiny_tokenizer, " ".join(texts[:C4_EVAL_DOCS])))
+
+
+def test_holdout_windows_are_disjoint_from_calibration_windows(tiny_tokenizer):
+    plain = load_calibration("builtin", tiny_tokenizer, 8, 64, seed=3)
+    both = load_calibration("builtin", tiny_tokenizer, 8, 64, seed=3, holdout=4)
+    assert both.shape == (12, 64) and torch.equal(both[:8], plain)
+    ids = _tokenize(builtin_text("calib"), tiny_tokenizer, "builtin")[0]
+    spans = [next(s for s in range(ids.numel() - 63) if torch.equal(ids[s : s + 64], w)) for w in both]
+    for held in spans[8:]:
+        assert all(abs(held - fit) >= 64 for fit in spans[:8])
+    with pytest.raises(ValueError, match="holdout"):
+        load_calibration("builtin", tiny_tokenizer, 8, 64, holdout=-1)
+
+
+def test_c4_holdout_windows_come_from_other_documents(monkeypatch, tiny_tokenizer):
+    long_docs = [" ".join(f"{DOCS[i % 3].split()[j % 5]}{i}" for j in range(40)) for i in range(6)]
+    monkeypatch.setattr(datasets, "load_dataset", _FakeLoadDataset(long_docs))
+    windows = load_calibration("c4", tiny_tokenizer, nsamples=2, seqlen=12, seed=0, holdout=3)
+    streams = [_ids(tiny_tokenizer, doc)[0] for doc in long_docs]
+    source = [{i for i, s in enumerate(streams) if _is_slice_of(w, s)} for w in windows]
+    fit_docs = set().union(*source[:2])
+    assert windows.shape == (5, 12) and all(len(docs) == 1 for docs in source)
+    assert all(not (docs & fit_docs) for docs in source[2:])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 
 import pytest
 import torch
@@ -61,10 +62,12 @@ def test_masks_swapped_restores_refined_masks():
     assert torch.equal(model(x).logits, refined)
 
 
-def test_resume_after_interruption_gives_identical_weights(tmp_path, monkeypatch):
-    options = PruneOptions(max_iters=8)
+@pytest.mark.parametrize("refit", ["none", "ls"])
+def test_resume_after_interruption_gives_identical_weights(tmp_path, monkeypatch, refit):
+    options = PruneOptions(max_iters=8, refit=refit)
+    held = calib(2, seed=1)
     reference = tiny_model("llama", num_hidden_layers=3)
-    prune_model(reference, calib(), options, progress=False)
+    ref_result = prune_model(reference, calib(), options, progress=False, holdout_tokens=held, keep_dense=True)
     finalize(reference)
 
     original = pipeline._prune_block
@@ -79,14 +82,21 @@ def test_resume_after_interruption_gives_identical_weights(tmp_path, monkeypatch
     model = tiny_model("llama", num_hidden_layers=3)
     monkeypatch.setattr(pipeline, "_prune_block", crash_on_second_block)
     with pytest.raises(KeyboardInterrupt):
-        prune_model(model, calib(), options, checkpoint_dir=tmp_path, progress=False)
+        prune_model(
+            model, calib(), options, checkpoint_dir=tmp_path, progress=False, holdout_tokens=held, keep_dense=True
+        )
     monkeypatch.setattr(pipeline, "_prune_block", original)
     assert json.loads((tmp_path / "progress.json").read_text())["next_block"] == 1
 
     fresh = tiny_model("llama", num_hidden_layers=3)  # a restarted process reloads the dense model
-    resumed = prune_model(fresh, calib(), options, checkpoint_dir=tmp_path, progress=False)
+    resumed = prune_model(
+        fresh, calib(), options, checkpoint_dir=tmp_path, progress=False, holdout_tokens=held, keep_dense=True
+    )
     finalize(fresh)
-    assert len(resumed.layers) == 21
+    timeless = lambda r: {k: v for k, v in asdict(r).items() if not k.startswith("seconds")}  # noqa: E731
+    assert len(resumed.layers) == 21 and list(map(timeless, resumed.layers)) == list(map(timeless, ref_result.layers))
+    assert resumed.dense_weights.keys() == ref_result.dense_weights.keys()
+    assert all(torch.equal(resumed.dense_weights[n], w) for n, w in ref_result.dense_weights.items())
     for (name, a), b in zip(reference.state_dict().items(), fresh.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
 
@@ -98,6 +108,34 @@ def test_resume_after_interruption_gives_identical_weights(tmp_path, monkeypatch
             checkpoint_dir=tmp_path,
             progress=False,
         )
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_refit_and_holdout_losses(arch):
+    model = tiny_model(arch)
+    dense = {n: p.detach().clone() for n, p in model.named_parameters()}
+    x = calib(1, 8)
+    options = PruneOptions(max_iters=4, refit="ls")
+    result = prune_model(model, calib(6), options, progress=False, holdout_tokens=calib(3, seed=1), keep_dense=True)
+    for r in result.layers:
+        assert r.loss_refit is not None and r.loss_refit <= r.loss_refined * (1 + 1e-6) + 1e-9
+        assert None not in (r.holdout_warmstart, r.holdout_refined, r.holdout_refit) and r.seconds_refit > 0
+    modules = dict(model.named_modules())
+    for name, mask in result.masks.items():
+        layer = PrunableLayer(name, modules[name])
+        assert not layer.weight_2d()[~mask].any()
+        assert not torch.equal(layer.dense_weight_2d()[mask], result.dense_weights[name][mask])
+    pruned = model(x).logits
+    with masks_swapped(model, result.warmstart_masks, result.dense_weights):
+        warm = model(x).logits
+        for name, mask in result.warmstart_masks.items():
+            layer = PrunableLayer(name, modules[name])
+            assert torch.equal(layer.weight_2d(), result.dense_weights[name] * mask)
+    assert torch.equal(model(x).logits, pruned) and not torch.allclose(warm, pruned)
+    finalize(model)
+    for n, p in model.named_parameters():
+        if not any(n.startswith(name) for name in result.masks):
+            assert torch.equal(p, dense[n]), n
 
 
 def test_layer_without_calibration_tokens_is_named():
