@@ -1,11 +1,13 @@
-"""Quality and time of SparseSwaps vs its warmstart on the default model, for several T.
+"""T sweep: quality and time of SparseSwaps against its warmstart on the default model.
 
-Runs the main job (``sparseswaps prune``'s pipeline: SmolLM2-135M-Instruct, built-in corpus, Wanda
-warmstart, 16 x 256 calibration tokens, 32 x 256 evaluation tokens) once per (pattern, T) and prints a
-Markdown table: summed per-layer loss, relative reduction over the warmstart, mean per-layer reduction,
-held-out perplexity, refinement and wall time. T = 0 is the warmstart alone.
+Prunes the packaged SmolLM2-135M-Instruct from its dense weights once per (pattern, T) with the main job's
+setting (built-in corpus, Wanda warmstart, 16 x 256 calibration tokens, 32 x 256 evaluation tokens,
+sequential block-wise) and prints a Markdown table: summed per-layer loss, relative reduction over the
+warmstart, mean per-layer reduction (the paper's "error reduction"), held-out perplexity, swaps and time.
+T = 0 is the warmstart alone. Rows are saved as JSON in ``--out`` as they finish (an interrupted sweep
+continues), and ``--plot`` draws reduction and perplexity against T like the paper's ablation figure.
 
-    python benchmarks/quality_sweep.py --out /tmp/sweep [--iters 0 1 5 25 100] [--patterns 60% 2:4]
+    python benchmarks/quality_sweep.py --out /tmp/sweep [--iters 0 1 2 5 10 25 50 100] [--patterns 60% 2:4]
 """
 
 from __future__ import annotations
@@ -13,41 +15,88 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import time
 from pathlib import Path
 
 import torch
 
-from sparseswaps_prune.llm.job import JobConfig, run_job
+from sparseswaps_prune.atomic import atomic_write, save_json
+from sparseswaps_prune.llm.data import load_calibration, load_eval_tokens
+from sparseswaps_prune.llm.experiment import Experiment
+from sparseswaps_prune.llm.models import load_model
 from sparseswaps_prune.llm.pipeline import PruneOptions
+
+
+def plot(rows: dict[str, list[dict]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_red, ax_ppl) = plt.subplots(1, 2, figsize=(10, 4))
+    for pattern, runs in rows.items():
+        iters = [max(r["iters"], 0.5) for r in runs]  # T = 0 drawn at 0.5 on the log axis
+        ax_red.plot(iters, [100 * r["totals"]["mean_layer_reduction"] for r in runs], "o-", label=pattern)
+        ax_ppl.plot(iters, [r["perplexity"] for r in runs], "o-", label=pattern)
+    ax_red.set(xscale="log", xlabel="T (0 drawn at 0.5)", ylabel="mean per-layer error reduction (%)")
+    ax_ppl.set(xscale="log", xlabel="T (0 drawn at 0.5)", ylabel="held-out perplexity")
+    for ax in (ax_red, ax_ppl):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle("SparseSwaps from Wanda on SmolLM2-135M-Instruct")
+    fig.tight_layout()
+    atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=120))
+    plt.close(fig)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", required=True, help="directory for the runs (each resumable)")
-    parser.add_argument("--iters", type=int, nargs="+", default=[0, 1, 5, 25, 100])
+    parser.add_argument("--out", required=True, help="directory for per-run JSON rows (resumable)")
+    parser.add_argument("--iters", type=int, nargs="+", default=[0, 1, 2, 5, 10, 25, 50, 100])
     parser.add_argument("--patterns", nargs="+", default=["60%", "2:4"])
     parser.add_argument("--warmstart", default="wanda")
+    parser.add_argument("--nsamples", type=int, default=16)
+    parser.add_argument("--seqlen", type=int, default=256)
+    parser.add_argument("--eval-windows", type=int, default=32)
+    parser.add_argument("--plot", default=None, help="PNG path for the reduction / perplexity plot")
     args = parser.parse_args()
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model, tokenizer = load_model()
+    exp = Experiment(
+        model,
+        tokenizer,
+        load_calibration("builtin", tokenizer, args.nsamples, args.seqlen, seed=0),
+        eval_tokens=load_eval_tokens("builtin", tokenizer),
+        seqlen=args.seqlen,
+        eval_windows=args.eval_windows,
+    )
     print(f"machine: {platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}")
-    print("| pattern | T | summed loss | reduction | mean layer reduction | ppl | refine s | wall s |")
+    print("| pattern | T | summed loss | reduction | mean layer reduction | ppl | swaps | prune s |")
     print("|---|---|---|---|---|---|---|---|")
+    rows: dict[str, list[dict]] = {}
     for pattern in args.patterns:
         nm = tuple(int(v) for v in pattern.split(":")) if ":" in pattern else None
         sparsity = None if nm else float(pattern.rstrip("%")) / 100
         for iters in args.iters:
-            options = PruneOptions(warmstart=args.warmstart, sparsity=sparsity, nm=nm, max_iters=iters)
-            config = JobConfig(prune=options, eval_warmstart=False)
-            tag = f"{pattern.replace(':', 'of').rstrip('%')}_T{iters}"
-            report = run_job(config, Path(args.out) / tag, progress=False)
-            t, ppl = report["totals"], report["perplexity"]
+            path = out / f"{pattern.replace(':', 'of').rstrip('%')}_T{iters}.json"
+            if not path.exists():
+                start = time.perf_counter()
+                row = exp.run(PruneOptions(warmstart=args.warmstart, sparsity=sparsity, nm=nm, max_iters=iters))
+                save_json({**row, "iters": iters, "seconds_wall": time.perf_counter() - start}, path)
+            row = json.loads(path.read_text())
+            rows.setdefault(pattern, []).append(row)
+            t = row["totals"]
             print(
                 f"| {pattern} | {iters} | {t['loss_refined']:.4g} | {t['reduction']:.1%} | "
-                f"{t['mean_layer_reduction']:.1%} | {ppl['refined']:.2f} | {t['seconds']:.0f} | "
-                f"{report['seconds']['wall']:.0f} |",
+                f"{t['mean_layer_reduction']:.1%} | {row['perplexity']:.2f} | {t['n_swaps']} | "
+                f"{row['seconds_prune']:.0f} |",
                 flush=True,
             )
-            (Path(args.out) / f"{tag}.json").write_text(json.dumps({k: report[k] for k in ("totals", "perplexity")}))
-    print(f"dense perplexity: {report['perplexity']['dense']:.3f}")
+    if args.plot:
+        plot(rows, Path(args.plot))
+        print(f"plot: {args.plot}")
 
 
 if __name__ == "__main__":
