@@ -15,6 +15,7 @@ from torch import nn
 from torch.nn.utils import prune
 
 from sparseswaps_prune.core.checks import check_budget, check_gram, check_weight
+from sparseswaps_prune.core.refit import refit_weights
 from sparseswaps_prune.core.swaps import RefineResult, refine_mask
 from sparseswaps_prune.core.warmstart import WARMSTARTS, importance_scores, keep_top, select_mask
 
@@ -34,10 +35,16 @@ class SparseSwapsMethod(prune.BasePruningMethod):
         nm: ``(n, m)`` semi-structured pattern instead of ``amount``.
         max_iters: 1-swap iterations ``T_max`` (0: warmstart only).
         scope: warmstart selection, ``"row"`` or ``"layer"`` (refinement keeps each row's count).
+        refit: ``"none"`` or ``"ls"``: re-fit each row's kept weights by exact least squares on its Gram
+            (:func:`~sparseswaps_prune.refit_weights`, ridge ``damp``). The re-fitted weights are written
+            into the pruned tensors (they land in ``<name>_orig``; the masked entries stay zero in
+            ``<name>``), so ``refit`` needs ``tensors=``.
+        damp: relative dampening of the re-fit.
         **refine_kwargs: passed to :func:`~sparseswaps_prune.refine_mask` (``eps``, ``device``, ``dtype``,
             ``backend``, ``row_batch``).
 
-    After ``compute_mask``, ``self.results`` holds each tensor's :class:`RefineResult`.
+    After ``compute_mask``, ``self.results`` holds each tensor's :class:`RefineResult` (with ``weight``
+    set to the re-fitted weights when ``refit="ls"``).
 
     Example:
         >>> params = [(model.fc1, "weight"), (model.fc2, "weight")]
@@ -58,16 +65,23 @@ class SparseSwapsMethod(prune.BasePruningMethod):
         nm: tuple[int, int] | None = None,
         max_iters: int = 100,
         scope: str = "row",
+        refit: str = "none",
+        damp: float = 0.01,
         **refine_kwargs,
     ) -> None:
         if warmstart not in WARMSTARTS:
             raise ValueError(f"unknown warmstart {warmstart!r}; choose one of {', '.join(WARMSTARTS)}")
+        if refit not in ("none", "ls"):
+            raise ValueError(f"refit must be 'none' or 'ls', got {refit!r}")
+        if refit != "none" and tensors is None:
+            raise ValueError("refit='ls' writes the re-fitted weights into the pruned tensors: pass tensors=")
         if isinstance(grams, torch.Tensor):
             grams = [grams]
         self.amount, self.grams, self.warmstart, self.nm = amount, list(grams), warmstart, nm
         self.tensors = list(tensors) if tensors is not None else None
         self.shapes = [tuple(s) for s in shapes] if shapes is not None else None
         self.max_iters, self.scope, self.refine_kwargs = max_iters, scope, refine_kwargs
+        self.refit, self.damp = refit, damp
         self.results: list[RefineResult] = []
         count = len(self.tensors or self.shapes or self.grams)
         if len(self.grams) != count:
@@ -81,12 +95,22 @@ class SparseSwapsMethod(prune.BasePruningMethod):
             self.layer_mask(weight, existing, gram, name)
             for (name, weight, existing), gram in zip(layers, self.grams, strict=True)
         ]
+        if self.refit != "none":
+            self._write_refit(self.results[-len(layers) :])
         if t.dim() == 2:
             return new_masks[0].to(default_mask.dtype)
         full = torch.cat([m.reshape(-1) for m in new_masks])
         if t.numel() == full.numel():
             return full.to(default_mask.dtype)
         return full[torch.cat([e.reshape(-1) for _, _, e in layers])].to(default_mask.dtype)
+
+    def _write_refit(self, results: list[RefineResult]) -> None:
+        """Write each tensor's re-fitted weights into ``<name>_orig`` (or ``<name>`` if not yet pruned)."""
+        with torch.no_grad():
+            for (module, name), result in zip(self.tensors, results, strict=True):
+                target = getattr(module, name + "_orig", None)
+                target = getattr(module, name) if target is None else target
+                target.copy_(result.weight.to(target.dtype))
 
     def _layers(self, t: torch.Tensor, default_mask: torch.Tensor) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
         """``(name, effective weight [d_out, d_in], existing bool mask)`` for every tensor."""
@@ -142,8 +166,14 @@ class SparseSwapsMethod(prune.BasePruningMethod):
             kept = existing.sum(dim=1, keepdim=True)
             keep = keep_top(scores, kept - torch.round(self.amount * kept).long()) & existing
         result = refine_mask(weight, gram, keep, max_iters=self.max_iters, nm=self.nm, **self.refine_kwargs)
+        result.mask &= existing
+        if self.refit == "ls":
+            try:
+                result.weight = refit_weights(weight, gram, result.mask, damp=self.damp)
+            except ValueError as err:
+                raise ValueError(f"{name}: {err}") from None
         self.results.append(result)
-        return result.mask & existing
+        return result.mask
 
 
 def sparseswaps_unstructured(
@@ -169,7 +199,8 @@ def sparseswaps_unstructured(
         name: parameter name.
         amount: fraction of each row's unpruned weights to prune, in ``[0, 1)``; exclusive with ``nm``.
         gram: ``[d_in, d_in]`` Gram matrix of the module's inputs.
-        warmstart, max_iters, nm, **kwargs: as :class:`SparseSwapsMethod`.
+        warmstart, max_iters, nm, **kwargs: as :class:`SparseSwapsMethod` (``refit="ls"`` re-fits the kept
+            weights; they land in ``<name>_orig``).
 
     Example:
         >>> sparseswaps_unstructured(layer, "weight", amount=0.6, gram=acc.gram, warmstart="wanda")
@@ -182,4 +213,7 @@ def sparseswaps_unstructured(
     existing = getattr(module, name + "_mask", torch.ones_like(weight)).detach().bool()
     mask = method.layer_mask(weight, existing, gram, f"{type(module).__name__}.{name}")  # validates first
     prune.custom_from_mask(module, name, mask)
+    if method.refit != "none":
+        method._write_refit(method.results)
+        setattr(module, name, getattr(module, name + "_orig") * getattr(module, name + "_mask"))
     return module

@@ -134,3 +134,27 @@ def test_non_2d_weight_rejected():
     with pytest.raises(ValueError, match="2-D"):
         sparseswaps_unstructured(conv, amount=0.5, gram=torch.eye(18))
     assert not prune.is_pruned(conv)
+
+
+@pytest.mark.parametrize("route", ["global", "single"])
+def test_refit_lands_in_weight_orig(route):
+    from sparseswaps_prune import refit_weights, row_losses
+    from sparseswaps_prune.core.losses import weight_losses
+
+    model, grams = model_and_grams(3)
+    dense = [layer.weight.detach().clone() for layer in model[::2]]
+    params = [(model[0], "weight"), (model[2], "weight")]
+    if route == "global":
+        prune.global_unstructured(
+            params, pruning_method=SparseSwapsMethod, amount=0.5, grams=grams, tensors=params, max_iters=5, refit="ls"
+        )
+    else:
+        for (module, _), gram in zip(params, grams, strict=True):
+            sparseswaps_unstructured(module, amount=0.5, gram=gram, max_iters=5, refit="ls")
+    for layer, w, gram in zip(model[::2], dense, grams, strict=True):
+        mask = layer.weight_mask.bool()
+        assert torch.allclose(layer.weight_orig, refit_weights(w, gram, mask), atol=1e-6)
+        assert torch.equal(layer.weight, layer.weight_orig * layer.weight_mask) and not layer.weight[~mask].any()
+        assert weight_losses(w, layer.weight, gram).sum() < row_losses(w, gram, mask).sum()
+    with pytest.raises(ValueError, match="tensors="):
+        SparseSwapsMethod(0.5, grams=grams, shapes=[(24, 16), (8, 24)], refit="ls")
