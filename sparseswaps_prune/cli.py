@@ -140,7 +140,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eps", type=float, default=0.0, help="stop a row when its best swap gains less")
     p.add_argument("--refine", default="sparseswaps", choices=REFINERS, help="mask refinement after the warmstart")
     p.add_argument(
-        "--refit", default="none", choices=REFITS, help="re-fit the kept weights (ls: exact least squares per row)"
+        "--refit",
+        default="none",
+        choices=REFITS,
+        help="re-fit the kept weights: ls (exact least squares per row), cg (iterative)",
     )
     p.add_argument("--damp", type=float, default=0.01, help="relative ridge dampening of the re-fit")
     p.add_argument("--include", nargs="+", default=None, help="fnmatch patterns of layer names to prune")

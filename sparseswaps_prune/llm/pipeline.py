@@ -37,7 +37,7 @@ logger = logging.getLogger(__name__)
 
 
 REFINERS = ("sparseswaps", "none")
-REFITS = ("none", "ls")
+REFITS = ("none", "ls", "cg")
 
 
 @dataclass
@@ -55,7 +55,8 @@ class PruneOptions:
         refine: ``"sparseswaps"`` (1-swap refinement, ``max_iters`` iterations) or ``"none"``.
         refit: ``"none"`` (kept weights unchanged) or ``"ls"``: after the mask is final, every row's kept
             weights are re-fitted by exact least squares on the calibration Gram (``refit_weights``); the
-            re-fitted weights land in ``weight_orig``.
+            re-fitted weights land in ``weight_orig``; ``"cg"``: the same problem solved by batched conjugate
+            gradients sharing ``G`` across rows (for wide layers, where per-row factorizations are slow).
         damp: relative ridge dampening of the re-fit, ``lambda = damp * mean(diag G)``.
         gram_dtype: ``"float32"`` or ``"float64"`` Gram accumulation.
         search_dtype: ``"float32"`` or ``"float64"`` swap search.
@@ -323,8 +324,11 @@ def _prune_layer(
             loss_warm = loss_refined = row_losses(weight, acc.gram, keep)
         seconds = time.perf_counter() - start
         refit = None
-        if options.refit == "ls":
-            refit = refit_weights(weight.to(device), acc.gram.to(device), mask.to(device), damp=options.damp).cpu()
+        if options.refit != "none":
+            solver = "cg" if options.refit == "cg" else "direct"
+            refit = refit_weights(
+                weight.to(device), acc.gram.to(device), mask.to(device), damp=options.damp, solver=solver
+            ).cpu()
     except (ValueError, TypeError) as err:
         raise type(err)(f"layer {layer.name}: {err}") from None
     result.masks[layer.name] = mask.cpu()

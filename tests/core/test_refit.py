@@ -43,3 +43,17 @@ def test_refit_singular_needs_damping():
     assert torch.isfinite(refit_weights(weight, gram, keep, damp=0.01)).all()
     with pytest.raises(ValueError, match="damp"):
         refit_weights(weight, gram, keep, damp=-1.0)
+
+
+@pytest.mark.parametrize("scope", ["row", "layer"])
+def test_cg_solver_matches_direct(scope):
+    weight, gram = layer_problem(10, 48, seed=7, dtype=torch.float32)
+    keep = warmstart_mask(weight, "wanda", sparsity=0.6, gram=gram, scope=scope)
+    direct = refit_weights(weight, gram, keep, damp=0.01)
+    cg = refit_weights(weight, gram, keep, damp=0.01, solver="cg", tol=1e-10, max_steps=500)
+    assert cg.dtype == weight.dtype and not cg[~keep].any()
+    assert torch.allclose(cg, direct, rtol=1e-4, atol=1e-5)
+    rough = refit_weights(weight, gram, keep, damp=0.01, solver="cg", max_steps=3)
+    assert (refit_loss(weight, gram, rough) <= row_losses(weight, gram, keep) * (1 + 1e-5)).all()
+    with pytest.raises(ValueError, match="solver"):
+        refit_weights(weight, gram, keep, solver="admm")
