@@ -143,7 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--refit",
         default="none",
         choices=REFITS,
-        help="re-fit the kept weights: ls (exact least squares per row), cg (iterative)",
+        help="re-fit kept weights: ls (exact per row) or cg (iterative)",
     )
     p.add_argument("--damp", type=float, default=0.01, help="relative ridge dampening of the re-fit")
     p.add_argument("--include", nargs="+", default=None, help="fnmatch patterns of layer names to prune")

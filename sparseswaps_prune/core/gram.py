@@ -64,3 +64,37 @@ class GramAccumulator:
                 self.feature_sum += other.feature_sum.to(self.feature_sum)
         self.n_tokens += other.n_tokens
         return self
+
+    def feature_stats(self, *, n_samples: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per-input activation statistics for DSnoT: ``(mean, var, sq_mean)``, each ``[d_in]`` float64.
+
+        ``mean = feature_sum / n_tokens`` and ``sq_mean = diag(gram) / n_tokens``; with ``n_samples`` both
+        sums are divided by ``n_samples`` (the number of calibration sequences) instead, DSnoT's
+        ``sum_metric_row`` and ``scaler_row`` (``lib/layerwrapper.py``), on which its ``update_threshold``
+        is set. ``var = E[x^2] - E[x]^2`` per token (clamped at 0 against cancellation), the population
+        variance over all tokens (``torch.var(unbiased=False)`` of every token at once), whatever
+        ``n_samples``. DSnoT's wrapper instead averages the per-forward-call population variances weighted
+        by tokens, which leaves out the variance of the per-call means; it only orders regrowing candidates.
+        With a float32 accumulator, ``var`` loses precision where ``|mean| >> std``; accumulate in float64
+        then.
+
+        Raises:
+            ValueError: the accumulator was made without ``track_sum=True``, has seen no tokens, or
+                ``n_samples`` is not a positive int.
+        """
+        if not self.track_sum:
+            raise ValueError(
+                "feature_stats needs the per-input sums: create the accumulator with "
+                "GramAccumulator(d_in, track_sum=True) before the calibration forwards"
+            )
+        if self.gram is None or self.feature_sum is None or self.n_tokens == 0:
+            raise ValueError("feature_stats: the accumulator has seen no tokens; run calibration data through it first")
+        if n_samples is not None and (isinstance(n_samples, bool) or not isinstance(n_samples, int) or n_samples < 1):
+            raise ValueError(f"n_samples must be a positive int (calibration sequences) or None, got {n_samples!r}")
+        total = self.feature_sum.to(torch.float64)
+        squares = torch.diagonal(self.gram).to(torch.float64)
+        mean, sq_mean = total / self.n_tokens, squares / self.n_tokens
+        var = (sq_mean - mean * mean).clamp_min(0.0)
+        if n_samples is not None:
+            mean, sq_mean = total / n_samples, squares / n_samples
+        return mean, var, sq_mean
