@@ -45,6 +45,7 @@ def _prune(args: argparse.Namespace) -> int:
         eps=args.eps,
         include=args.include,
         exclude=args.exclude,
+        scope=args.scope,
         refine=args.refine,
         refit=args.refit,
         damp=args.damp,
@@ -138,6 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     budget.add_argument("--nm", type=_nm, default=None, help="N:M pattern, e.g. 2:4")
     p.add_argument("--max-iters", type=int, default=DEFAULT_MAX_ITERS, help="SparseSwaps iterations T per layer")
     p.add_argument("--eps", type=float, default=0.0, help="stop a row when its best swap gains less")
+    p.add_argument("--scope", default="row", choices=["row", "layer"], help="warmstart budget per row or per layer")
     p.add_argument("--refine", default="sparseswaps", choices=REFINERS, help="mask refinement after the warmstart")
     p.add_argument(
         "--refit",

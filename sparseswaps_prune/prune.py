@@ -17,7 +17,7 @@ from torch.nn.utils import prune
 from sparseswaps_prune.core.checks import check_budget, check_gram, check_weight
 from sparseswaps_prune.core.refit import refit_weights
 from sparseswaps_prune.core.swaps import RefineResult, refine_mask
-from sparseswaps_prune.core.warmstart import WARMSTARTS, importance_scores, keep_top, select_mask
+from sparseswaps_prune.core.warmstart import WARMSTARTS, importance_scores, keep_top, warmstart_mask
 
 
 class SparseSwapsMethod(prune.BasePruningMethod):
@@ -31,7 +31,7 @@ class SparseSwapsMethod(prune.BasePruningMethod):
             ``global_unstructured``). Gives each layer its 2-D shape and existing mask; required when a
             tensor is already pruned. Without it, ``shapes`` (or a single 2-D tensor) gives the shapes.
         shapes: ``(d_out, d_in)`` per tensor, when ``tensors`` is not given.
-        warmstart: ``"magnitude"``, ``"wanda"`` or ``"ria"``.
+        warmstart: ``"magnitude"``, ``"wanda"``, ``"ria"`` or ``"sparsegpt"`` (SparseGPT's mask, weights kept).
         nm: ``(n, m)`` semi-structured pattern instead of ``amount``.
         max_iters: 1-swap iterations ``T_max`` (0: warmstart only).
         scope: warmstart selection, ``"row"`` or ``"layer"`` (refinement keeps each row's count).
@@ -156,11 +156,11 @@ class SparseSwapsMethod(prune.BasePruningMethod):
             raise type(err)(f"{name}: {err}") from None
         weight = torch.where(existing, weight, 0.0)
         if bool(existing.all()):
-            keep = select_mask(
-                importance_scores(weight, self.warmstart, gram), sparsity=self.amount, nm=self.nm, scope=self.scope
+            keep = warmstart_mask(weight, self.warmstart, sparsity=self.amount, nm=self.nm, gram=gram, scope=self.scope)
+        elif self.nm is not None or self.warmstart == "sparsegpt":
+            raise ValueError(
+                f"{name}: N:M or SparseGPT pruning of an already pruned tensor is not supported; prune.remove first"
             )
-        elif self.nm is not None:
-            raise ValueError(f"{name}: N:M pruning of an already pruned tensor is not supported; prune.remove first")
         else:
             scores = importance_scores(weight, self.warmstart, gram).masked_fill(~existing, float("-inf"))
             kept = existing.sum(dim=1, keepdim=True)

@@ -1,8 +1,10 @@
-"""Warmstart masks: one scoring path (magnitude | wanda | ria) feeding one selection path.
+"""Warmstart masks: one scoring path (magnitude | wanda | ria) feeding one selection path, plus SparseGPT.
 
 Selection keeps the highest scores: per row (every row keeps the same count), per layer (one
 threshold over the whole matrix) or N:M (``n`` of every ``m`` consecutive inputs of each row).
 Ties are broken deterministically by a stable sort: among equal scores the lower index is kept.
+The ``sparsegpt`` warmstart is SparseGPT's own mask (its per-block OBS selection, which scores each block
+on weights already updated by the blocks before it), with the original weights kept (mask only).
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ import torch
 
 from sparseswaps_prune.core.checks import check_budget, check_gram, check_weight, kept_per_row
 
-WARMSTARTS = ("magnitude", "wanda", "ria")
+SCORES = ("magnitude", "wanda", "ria")
+WARMSTARTS = (*SCORES, "sparsegpt")
 Scope = Literal["row", "layer"]
 
 
@@ -29,8 +32,8 @@ def importance_scores(
 
     Only the diagonal of ``gram`` is used. ``weight`` and ``gram`` are not modified.
     """
-    if method not in WARMSTARTS:
-        raise ValueError(f"unknown warmstart {method!r}; choose one of {', '.join(WARMSTARTS)}")
+    if method not in SCORES:
+        raise ValueError(f"unknown importance score {method!r}; choose one of {', '.join(SCORES)}")
     check_weight(weight)
     magnitude = weight.detach().abs().to(torch.float32)
     if method == "magnitude":
@@ -98,7 +101,7 @@ def warmstart_mask(
 
     Args:
         weight: ``[d_out, d_in]`` float tensor (not modified).
-        method: ``"magnitude"``, ``"wanda"`` or ``"ria"`` (the latter two need ``gram``).
+        method: ``"magnitude"``, ``"wanda"``, ``"ria"`` or ``"sparsegpt"`` (all but magnitude need ``gram``).
         sparsity: fraction of weights pruned, in ``[0, 1)``; exclusive with ``nm``.
         nm: ``(n, m)``: keep ``n`` of every ``m`` consecutive inputs of each row, e.g. ``(2, 4)``.
         gram: ``[d_in, d_in]`` Gram matrix of the layer inputs.
@@ -112,4 +115,10 @@ def warmstart_mask(
     """
     check_weight(weight)
     check_budget(sparsity, nm, weight.shape[1])
+    if method == "sparsegpt":
+        if gram is None:
+            raise ValueError("warmstart 'sparsegpt' needs the layer's input Gram matrix (gram=, [d_in, d_in])")
+        from sparseswaps_prune.core.sparsegpt import sparsegpt_prune  # imports keep_top from this module
+
+        return sparsegpt_prune(weight, gram, sparsity=sparsity, nm=nm, scope=scope, update_weights=False).keep_mask
     return select_mask(importance_scores(weight, method, gram), sparsity=sparsity, nm=nm, scope=scope)

@@ -181,7 +181,7 @@ def _save_outputs(model, tokenizer, config: JobConfig, layers: list[LayerReport]
     tokenizer.save_pretrained(staging)
     save_json(config.to_dict(), staging / "config_sparseswaps.json")
     write_csv(layers, staging / "report.csv")
-    plot_reduction(layers, staging / "report.png", title=f"SparseSwaps vs {config.prune.warmstart} warmstart")
+    plot_reduction(layers, staging / "report.png", title=f"{config.prune.refine} vs {config.prune.warmstart} warmstart")
     for item in sorted(staging.iterdir()):
         target = out / item.name
         if target.is_dir():
@@ -195,9 +195,15 @@ def summary(report: dict[str, Any]) -> str:
     """Human-readable end-of-run summary: per-layer table, totals, perplexities and time."""
     layers = [LayerReport(**{k: row[k] for k in LayerReport.__dataclass_fields__}) for row in report["layers"]]
     t, ppl = report["totals"], report["perplexity"]
+    options = report["config"]["prune"]
+    method = {"sparseswaps": "SparseSwaps", "dsnot": "DSnoT", "none": "no refinement"}[
+        options.get("refine", "sparseswaps")
+    ]
+    if options.get("refit", "none") != "none":
+        method += f" + re-fit ({options['refit']})"
     lines = [format_table(layers), ""]
     lines.append(
-        f"summed layer loss: warmstart {t['loss_warmstart']:.6g} -> SparseSwaps {t['loss_refined']:.6g} "
+        f"summed layer loss: warmstart {t['loss_warmstart']:.6g} -> refined {t['loss_refined']:.6g} "
         f"({t['reduction']:.1%} lower; mean per-layer reduction {t['mean_layer_reduction']:.1%})"
     )
     if t.get("loss_refit") is not None:
@@ -207,7 +213,7 @@ def summary(report: dict[str, Any]) -> str:
         lines.append("held-out layer loss: " + " -> ".join(f"{v:.6g}" for v in held if v is not None))
     fmt = lambda v: "n/a" if v is None else f"{v:.3f}"  # noqa: E731
     lines.append(
-        f"perplexity: dense {fmt(ppl['dense'])} | warmstart {fmt(ppl['warmstart'])} | SparseSwaps {fmt(ppl['refined'])}"
+        f"perplexity: dense {fmt(ppl['dense'])} | warmstart {fmt(ppl['warmstart'])} | {method} {fmt(ppl['refined'])}"
     )
     lines.append(f"time: pruning {report['seconds']['prune']:.0f} s, wall {report['seconds']['wall']:.0f} s")
     return "\n".join(lines)

@@ -25,9 +25,11 @@ from tqdm.auto import tqdm
 
 from sparseswaps_prune.atomic import save_json, save_torch
 from sparseswaps_prune.core.checks import check_budget
+from sparseswaps_prune.core.dsnot import dsnot_refine
 from sparseswaps_prune.core.gram import GramAccumulator
 from sparseswaps_prune.core.losses import row_losses, weight_losses
 from sparseswaps_prune.core.refit import refit_weights
+from sparseswaps_prune.core.sparsegpt import sparsegpt_prune
 from sparseswaps_prune.core.swaps import refine_mask
 from sparseswaps_prune.core.warmstart import WARMSTARTS, warmstart_mask
 from sparseswaps_prune.llm.capture import BlockInputs, capture_block_inputs
@@ -36,8 +38,8 @@ from sparseswaps_prune.llm.layers import PrunableLayer, find_blocks, find_layers
 logger = logging.getLogger(__name__)
 
 
-REFINERS = ("sparseswaps", "none")
-REFITS = ("none", "ls", "cg")
+REFINERS = ("sparseswaps", "dsnot", "none")
+REFITS = ("none", "ls", "cg", "obs")
 
 
 @dataclass
@@ -45,18 +47,24 @@ class PruneOptions:
     """What to prune and how. Every field is recorded in the run's config.
 
     Attributes:
-        warmstart: ``"magnitude"``, ``"wanda"`` or ``"ria"``.
+        warmstart: ``"magnitude"``, ``"wanda"``, ``"ria"`` or ``"sparsegpt"`` (SparseGPT's mask only).
         sparsity: fraction of each row pruned, in ``[0, 1)``; exclusive with ``nm``.
         nm: ``(n, m)`` semi-structured pattern, e.g. ``(2, 4)``.
         max_iters: SparseSwaps iterations ``T_max`` per layer (0: warmstart only).
         eps: a row stops once its best swap gains less than ``eps``.
         include, exclude: fnmatch patterns on fully qualified layer names (default: every linear in
             every decoder block; ``lm_head`` and embeddings are outside the blocks and never pruned).
-        refine: ``"sparseswaps"`` (1-swap refinement, ``max_iters`` iterations) or ``"none"``.
+        scope: warmstart budget, ``"row"`` (the same count in every row) or ``"layer"`` (one count per
+            layer; rows keep unequal counts, which SparseSwaps then keeps row by row).
+        refine: ``"sparseswaps"`` (1-swap refinement, ``max_iters`` iterations), ``"dsnot"`` (DSnoT, max 50
+            cycles, update threshold 0.1, on every layer: the original skips MLP layers by default) or
+            ``"none"``.
         refit: ``"none"`` (kept weights unchanged) or ``"ls"``: after the mask is final, every row's kept
             weights are re-fitted by exact least squares on the calibration Gram (``refit_weights``); the
             re-fitted weights land in ``weight_orig``; ``"cg"``: the same problem solved by batched conjugate
-            gradients sharing ``G`` across rows (for wide layers, where per-row factorizations are slow).
+            gradients sharing ``G`` across rows (for wide layers, where per-row factorizations are slow);
+            ``"obs"``: SparseGPT's OBS weight update on the final mask (``warmstart="sparsegpt"`` with
+            ``scope="layer"``, ``refine="none"`` and ``refit="obs"`` is SparseGPT as published).
         damp: relative ridge dampening of the re-fit, ``lambda = damp * mean(diag G)``.
         gram_dtype: ``"float32"`` or ``"float64"`` Gram accumulation.
         search_dtype: ``"float32"`` or ``"float64"`` swap search.
@@ -70,6 +78,7 @@ class PruneOptions:
     eps: float = 0.0
     include: list[str] | None = None
     exclude: list[str] | None = None
+    scope: str = "row"
     refine: str = "sparseswaps"
     refit: str = "none"
     damp: float = 0.01
@@ -86,7 +95,7 @@ class PruneOptions:
         check_budget(self.sparsity, self.nm, self.nm[1] if self.nm else 1)
         if isinstance(self.max_iters, bool) or not isinstance(self.max_iters, int) or self.max_iters < 0:
             raise ValueError(f"max_iters must be an int >= 0, got {self.max_iters!r}")
-        for name, choices in (("refine", REFINERS), ("refit", REFITS)):
+        for name, choices in (("scope", ("row", "layer")), ("refine", REFINERS), ("refit", REFITS)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name} must be one of {', '.join(choices)}; got {getattr(self, name)!r}")
         if not (isinstance(self.damp, (int, float)) and self.damp >= 0):
@@ -262,9 +271,11 @@ def _prune_block(
     hidden, kwargs = next(inputs["fit"].batches(device))
     groups = group_by_input(block, layers, hidden, **kwargs)
     grams: dict[str, dict[str, GramAccumulator]] = {}
+    dtype, track_sum = getattr(torch, options.gram_dtype), options.refine == "dsnot"
     for key, part in inputs.items():
         accumulators = {
-            group[0].name: GramAccumulator(group[0].d_in, dtype=getattr(torch, options.gram_dtype)) for group in groups
+            group[0].name: GramAccumulator(group[0].d_in, dtype=dtype, track_sum=track_sum and key == "fit")
+            for group in groups
         }
         with input_hooks(groups, lambda name, x, accs=accumulators: accs[name].add(x)):
             part.feed_block(block, device)
@@ -272,7 +283,8 @@ def _prune_block(
     reports = []
     for layer in tqdm(layers, desc=f"block {index}", leave=False, disable=not progress):
         holdout = grams["holdout"][layer.name] if "holdout" in grams else None
-        report, refit = _prune_layer(layer, grams["fit"][layer.name], holdout, options, device, result, index)
+        fit = grams["fit"][layer.name]
+        report, refit = _prune_layer(layer, fit, holdout, options, device, result, index, inputs["fit"].num_samples)
         if keep_dense and refit is not None:
             result.dense_weights[layer.name] = layer.dense_weight_2d().cpu().clone()
         apply_mask(layer, result.masks[layer.name], refit)
@@ -292,6 +304,7 @@ def _prune_layer(
     device: torch.device,
     result: PruneResult,
     index: int,
+    n_windows: int,
 ) -> tuple[LayerReport, torch.Tensor | None]:
     """Warmstart, refine and (optionally) re-fit one layer; errors name the layer.
 
@@ -305,7 +318,9 @@ def _prune_layer(
                 "saw no calibration tokens (its forward hook never fired); check that the block uses it, "
                 "or exclude it with --exclude"
             )
-        keep = warmstart_mask(weight, options.warmstart, sparsity=options.sparsity, nm=options.nm, gram=acc.gram)
+        keep = warmstart_mask(
+            weight, options.warmstart, sparsity=options.sparsity, nm=options.nm, gram=acc.gram, scope=options.scope
+        )
         if options.refine == "sparseswaps":
             refined = refine_mask(
                 weight,
@@ -321,10 +336,19 @@ def _prune_layer(
             n_swaps, iters = int(refined.n_swaps.sum()), refined.iters
         else:
             mask, n_swaps, iters = keep, 0, 0
-            loss_warm = loss_refined = row_losses(weight, acc.gram, keep)
+            if options.refine == "dsnot":
+                mean, var, sq_mean = acc.feature_stats(n_samples=n_windows)
+                dsnot = dsnot_refine(
+                    weight, keep, feature_mean=mean, feature_var=var, feature_sq_mean=sq_mean, nm=options.nm
+                )
+                mask, n_swaps, iters = dsnot.mask, int(dsnot.n_updates.sum()), dsnot.n_cycles
+            loss_warm, loss_refined = row_losses(weight, acc.gram, keep), row_losses(weight, acc.gram, mask)
         seconds = time.perf_counter() - start
         refit = None
-        if options.refit != "none":
+        if options.refit == "obs":
+            refit = sparsegpt_prune(weight.to(device), acc.gram, keep_mask=mask.to(device), damp=options.damp).weight
+            refit = refit.cpu()
+        elif options.refit != "none":
             solver = "cg" if options.refit == "cg" else "direct"
             refit = refit_weights(
                 weight.to(device), acc.gram.to(device), mask.to(device), damp=options.damp, solver=solver

@@ -2,6 +2,7 @@ import pytest
 import torch
 
 from sparseswaps_prune import warmstart_mask
+from sparseswaps_prune.core.sparsegpt import sparsegpt_prune
 from sparseswaps_prune.core.warmstart import importance_scores
 from tests.core.reference import layer_problem
 
@@ -47,3 +48,12 @@ def test_zero_sparsity_keeps_all():
 def test_wanda_needs_gram():
     with pytest.raises(ValueError, match="Gram"):
         warmstart_mask(torch.randn(4, 8), "wanda", sparsity=0.5)
+
+
+def test_sparsegpt_warmstart_is_sparsegpts_mask():
+    weight, gram = layer_problem(8, 32, seed=2, dtype=torch.float32)
+    for kw in ({"sparsity": 0.5, "scope": "row"}, {"sparsity": 0.5, "scope": "layer"}, {"nm": (2, 4)}):
+        mask = warmstart_mask(weight, "sparsegpt", gram=gram, **kw)
+        assert torch.equal(mask, sparsegpt_prune(weight, gram, **kw).keep_mask)
+    with pytest.raises(ValueError, match="Gram"):
+        warmstart_mask(weight, "sparsegpt", sparsity=0.5)

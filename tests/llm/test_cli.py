@@ -44,3 +44,17 @@ def test_prune_with_refit_and_holdout(saved_tiny, tmp_path, capsys):
     t = report["totals"]
     assert t["n_swaps"] == 0 and t["loss_refit"] <= t["loss_refined"] and t["holdout_refit"] is not None
     assert report["config"]["holdout"] == 2 and report["perplexity"]["warmstart"] > 1
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [["--warmstart", "sparsegpt", "--scope", "layer", "--refine", "none", "--refit", "obs"], ["--refine", "dsnot"]],
+)
+def test_prune_baselines_from_the_cli(saved_tiny, tmp_path, capsys, flags):
+    out = tmp_path / "baseline"
+    args = ["prune", "--model", str(saved_tiny), "--nsamples", "2", "--seqlen", "32", "--eval-windows", "2",
+            "--out", str(out), "--quiet", *flags]  # fmt: skip
+    assert main(args) == 0
+    config = json.loads((out / "config_sparseswaps.json").read_text())["prune"]
+    assert config["refine"] == flags[flags.index("--refine") + 1]
+    assert json.loads((out / "report.json").read_text())["perplexity"]["refined"] > 1

@@ -138,6 +138,35 @@ def test_refit_and_holdout_losses(arch):
             assert torch.equal(p, dense[n]), n
 
 
+@pytest.mark.parametrize(
+    "setting",
+    [
+        {"warmstart": "sparsegpt", "scope": "layer", "refine": "none", "refit": "obs"},  # SparseGPT as published
+        {"warmstart": "sparsegpt", "refine": "sparseswaps"},
+        {"warmstart": "wanda", "refine": "dsnot"},
+        {"warmstart": "wanda", "refine": "dsnot", "nm": (2, 4), "sparsity": None},
+        {"warmstart": "ria", "refine": "none", "refit": "cg"},
+    ],
+)
+def test_baselines_through_the_pipeline(setting):
+    model = tiny_model("llama")
+    result = prune_model(model, calib(), PruneOptions(**{"max_iters": 3, **setting}), progress=False)
+    modules = dict(model.named_modules())
+    for r in result.layers:
+        mask = result.masks[r.name]
+        if setting.get("scope") == "layer":
+            assert abs(r.sparsity - 0.6) < 1e-3 and len(set(mask.sum(1).tolist())) > 1
+        elif setting.get("nm"):
+            assert (mask.reshape(mask.shape[0], -1, 4).sum(-1) == 2).all()
+        else:
+            assert len(set(mask.sum(1).tolist())) == 1
+        assert r.loss_refined <= r.loss_warmstart * (1 + 1e-9) or setting["refine"] == "dsnot"
+        if setting.get("refit"):
+            assert r.loss_refit < r.loss_refined
+            layer = PrunableLayer(r.name, modules[r.name])
+            assert not layer.weight_2d()[~mask].any()
+
+
 def test_layer_without_calibration_tokens_is_named():
     model = tiny_model("llama")
     model.model.layers[0].self_attn.unused_proj = nn.Linear(64, 64)
