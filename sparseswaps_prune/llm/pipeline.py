@@ -176,6 +176,16 @@ def _replace_weight_mask(module: nn.Module, mask: torch.Tensor) -> None:
     module.weight = module.weight_orig * module.weight_mask
 
 
+def _to_cpu(block: nn.Module, layers: list[PrunableLayer]) -> None:
+    """Move ``block`` back to the CPU, masked weights included: ``Module.to`` moves ``weight_orig`` and
+    ``weight_mask`` but not the plain ``weight`` attribute that the pruning hook computes, which would
+    otherwise stay on the compute device for every finished block."""
+    block.to("cpu")
+    for layer in layers:
+        if hasattr(layer.module, "weight_mask"):
+            _replace_weight_mask(layer.module, layer.module.weight_mask)
+
+
 def apply_mask(layer: PrunableLayer, mask_2d: torch.Tensor, weight_2d: torch.Tensor | None = None) -> None:
     """Set ``layer``'s pruning mask (``[d_out, d_in]`` bool) through ``torch.nn.utils.prune``, in place.
 
@@ -244,7 +254,7 @@ def prune_model(
         layers = find_layers(block, prefix=f"{blocks_name}.{index}", include=options.include, exclude=options.exclude)
         reports = _prune_block(block, layers, inputs, options, device, result, index, progress, keep_dense)
         inputs = {key: part.run_block(block, device) for key, part in inputs.items()}
-        blocks[index].to("cpu")
+        _to_cpu(blocks[index], layers)
         result.layers.extend(reports)
         if state is not None:
             _checkpoint(state, fingerprint, index, inputs, layers, result, reports)

@@ -243,3 +243,18 @@ def test_default_model_end_to_end(tmp_path):
     down = reloaded.model.layers[29].mlp.down_proj.weight
     assert abs(float((down == 0).float().mean()) - 0.6) < 0.01
     assert float((reloaded.model.layers[5].mlp.down_proj.weight == 0).float().mean()) < 0.01
+
+
+def test_finished_blocks_leave_no_masked_weight_on_the_compute_device(monkeypatch):
+    moved = []
+    original = pipeline._to_cpu
+
+    def spy(block, layers):
+        for layer in layers:
+            layer.module.weight = layer.module.weight.to("meta")  # stands in for a tensor left on the GPU
+        original(block, layers)
+        moved.extend(layer.module.weight.device.type for layer in layers)
+
+    monkeypatch.setattr(pipeline, "_to_cpu", spy)
+    prune_model(tiny_model("llama"), calib(), PruneOptions(max_iters=1), progress=False)
+    assert moved and set(moved) == {"cpu"}
