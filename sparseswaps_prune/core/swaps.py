@@ -6,17 +6,27 @@ the compute dtype (float32 by default) on a backend; the chosen swap's ``dL`` is
 float64 and the correlation vector ``c = G r`` is kept in float64 (updated by
 ``c += w_u G[:, u] - w_p G[:, p]`` and rebuilt from scratch every ``resync_every`` iterations), so an
 accepted swap never raises the float64 loss.
+
+``objective="refit"`` judges swaps by the loss after re-fitting the kept weights
+(:mod:`~sparseswaps_prune.core.refit_swaps`); ``scope="layer"`` conserves the layer's kept count instead of each
+row's, adding moves that prune in one row and restore in another (:mod:`~sparseswaps_prune.core.layer_moves`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
+from sparseswaps_prune.core import layer_moves
+from sparseswaps_prune.core import refit_swaps as rs
 from sparseswaps_prune.core.backends import best_swaps, resolve_backend
 from sparseswaps_prune.core.checks import check_budget, check_gram, check_mask, check_weight
 from sparseswaps_prune.core.losses import correlation, row_losses
+
+OBJECTIVES = ("mask", "refit")
+SCOPES = ("row", "layer")
 
 # Rows per batch when the caller gives none: bounds the [rows, d_in] working set to ~64 MiB per tensor.
 ROW_BATCH_ELEMENTS = 1 << 24
@@ -29,10 +39,17 @@ class RefineResult:
     Attributes:
         mask: ``[d_out, d_in]`` bool refined mask (True = kept), on the weight's device.
         loss_before: ``[d_out]`` float64 per-row loss of the input mask.
-        loss_after: ``[d_out]`` float64 per-row loss of ``mask`` (same definition as ``row_losses``).
-        n_swaps: ``[d_out]`` int64 number of swaps applied to each row.
-        iters: number of iterations that applied at least one swap (``n_swaps.max()``, at most
-            ``max_iters``).
+        loss_after: ``[d_out]`` float64 per-row loss of ``mask``. For ``objective="mask"`` both are
+            ``row_losses`` (``r^T G r``, pruned weights zeroed). For ``objective="refit"`` both are the true, undamped
+            loss ``(w - v)^T G (w - v)`` of the re-fitted weights ``v = refit_weights(weight, gram, mask, damp=damp)``
+            of the input and refined mask; the search minimises the damped objective (``refit_objective``), so with
+            ``damp > 0`` a row's undamped loss may in rare cases rise slightly.
+        n_swaps: ``[d_out]`` int64 number of moves each row took part in: in-row swaps, and with ``scope="layer"``
+            also cross-row moves (counted once in the donor row and once in the receiver row).
+        iters: number of iterations that applied at least one move (at most ``max_iters``; with
+            ``scope="row"`` this is ``n_swaps.max()``).
+        weight: for ``objective="refit"``, the ``[d_out, d_in]`` re-fitted weights of ``mask`` (weight's dtype and
+            device, exactly zero where ``mask`` is False); None for ``objective="mask"``.
     """
 
     mask: torch.Tensor
@@ -40,6 +57,7 @@ class RefineResult:
     loss_after: torch.Tensor
     n_swaps: torch.Tensor
     iters: int
+    weight: torch.Tensor | None = None
 
     @property
     def relative_reduction(self) -> float:
@@ -72,27 +90,52 @@ def refine_mask(
     dtype: torch.dtype = torch.float32,
     backend: str = "auto",
     resync_every: int = 32,
+    objective: Literal["mask", "refit"] = "mask",
+    damp: float = 0.01,
+    scope: Literal["row", "layer"] = "row",
 ) -> RefineResult:
     """Refine a pruning mask by exact, loss-decreasing 1-swaps.
 
     Args:
         weight: ``[d_out, d_in]`` float tensor (not modified).
         gram: ``[d_in, d_in]`` Gram matrix ``sum_t x_t x_t^T`` of the layer inputs (not modified).
-        keep_mask: ``[d_out, d_in]`` bool warmstart mask, True = kept, from any source (each row keeps
-            its own count; not modified).
-        max_iters: at most this many swaps per row (``T_max``); 0 returns the input mask.
+        keep_mask: ``[d_out, d_in]`` bool warmstart mask, True = kept, from any source (per-row or per-layer
+            threshold, SparseGPT, ...: rows may keep different counts; not modified).
+        max_iters: at most this many iterations, each applying at most one move per row (``T_max``); 0 returns
+            the input mask.
         nm: ``(n, m)``: swaps stay inside blocks of ``m`` consecutive inputs; ``keep_mask`` must follow
-            the pattern.
-        eps: a row stops once its best ``dL`` is not below ``-eps``.
-        row_batch: rows refined together (bounds memory); default fits ~64 MiB per ``[rows, d_in]``.
+            the pattern. Not with ``scope="layer"``.
+        eps: a move is applied only if it lowers the loss by more than ``eps``; a row stops once its best
+            ``dL`` is not below ``-eps``.
+        row_batch: rows refined together (bounds memory); default fits ~64 MiB per ``[rows, d_in]``, and for
+            ``objective="refit"`` 128 MiB per float64 ``[rows, k, d_in - k]`` (the state ``Z``).
         device: where to compute (default: the weight's device).
-        dtype: search dtype, ``torch.float32`` (fast) or ``torch.float64``.
-        backend: ``"auto"`` (compiled numba kernel on CPU, fused Triton kernel on CUDA when triton is
-            installed, torch elsewhere), ``"torch"``, ``"numba"`` or ``"triton"``.
-        resync_every: rebuild the float64 correlation vectors from scratch every this many iterations.
+        dtype: search dtype of the mask objective, ``torch.float32`` (fast) or ``torch.float64``; the re-fit
+            objective always runs in float64.
+        backend: swap search of the mask objective: ``"auto"`` (compiled numba kernel on CPU, fused Triton kernel
+            on CUDA when triton is installed, torch elsewhere), ``"torch"``, ``"numba"`` or ``"triton"``. The
+            re-fit objective uses its own torch search.
+        resync_every: rebuild the float64 state (correlation vectors; for the re-fit objective ``H``, ``v``, ``Z``,
+            by Cholesky) from scratch every this many iterations.
+        objective: ``"mask"``: minimise the loss of the mask with the original weights, ``r^T G r``.
+            ``"refit"``: minimise the loss after re-fitting the kept weights, the damped objective
+            ``min_v (w - v)^T G (w - v) + lambda ||v||^2`` (see ``refit_objective``); the re-fitted weights are
+            returned in ``RefineResult.weight``.
+        damp: re-fit damping, ``lambda = damp * mean(diag G)`` as ``refit_weights`` (``objective="refit"`` only;
+            0 needs every ``G_SS`` positive definite).
+        scope: ``"row"``: every row keeps its count (swaps within rows). ``"layer"``: only the layer's total count
+            is kept; moves may also prune a weight in one row and restore one in another (each iteration applies
+            the best combination of moves with every row in at most one; see ``core/layer_moves.py``). With
+            ``objective="refit"`` the state of all rows is held at once (``layer_moves.LAYER_STATE_BYTES``).
 
     Returns:
         :class:`RefineResult` with the refined mask on ``weight``'s device.
+
+    Raises:
+        ValueError / TypeError: bad shapes, NaN, an empty Gram, a mask off its N:M pattern, an unknown
+            ``objective`` / ``scope``, ``nm`` with ``scope="layer"``, ``damp < 0``, or (``objective="refit"``) a
+            singular ``G_SS + lambda I`` (names the rows; raise ``damp``). Raised before any work is done, except
+            the singular case, found while factorising.
 
     Example:
         >>> mask = warmstart_mask(w, "wanda", sparsity=0.6, gram=g)
@@ -113,12 +156,30 @@ def refine_mask(
         raise ValueError(f"eps must be >= 0, got {eps!r}")
     if dtype not in (torch.float32, torch.float64):
         raise TypeError(f"dtype must be torch.float32 or torch.float64, got {dtype}")
+    if objective not in OBJECTIVES:
+        raise ValueError(f"objective must be 'mask' or 'refit', got {objective!r}")
+    if scope not in SCOPES:
+        raise ValueError(f"scope must be 'row' or 'layer', got {scope!r}")
+    if scope == "layer" and nm is not None:
+        raise ValueError(
+            f"nm={tuple(nm)} fixes the count of every block of every row, so there is no layer budget to move; "
+            "use scope='row' with nm, or scope='layer' without nm"
+        )
+    if isinstance(damp, bool) or not isinstance(damp, (int, float)) or not damp >= 0:
+        raise ValueError(f"damp must be a float >= 0 (e.g. 0.01), got {damp!r}")
+    if isinstance(resync_every, bool) or not isinstance(resync_every, int) or resync_every < 1:
+        raise ValueError(f"resync_every must be an int >= 1, got {resync_every!r}")
     compute = torch.device(device) if device is not None else weight.device
     search = resolve_backend(backend, compute, nm)
+    if row_batch is not None and row_batch < 1:
+        raise ValueError(f"row_batch must be >= 1, got {row_batch}")
+    if scope == "layer" or objective == "refit":
+        return _refine_other(
+            weight, gram, keep_mask, max_iters=max_iters, nm=nm, eps=eps, row_batch=row_batch, compute=compute,
+            dtype=dtype, search=search, resync_every=resync_every, objective=objective, damp=damp, scope=scope,
+        )  # fmt: skip
     if row_batch is None:
         row_batch = max(1, ROW_BATCH_ELEMENTS // d_in)
-    if row_batch < 1:
-        raise ValueError(f"row_batch must be >= 1, got {row_batch}")
 
     gram64 = gram.detach().to(device=compute, dtype=torch.float64)
     gram_search = gram64.to(dtype)
@@ -190,3 +251,74 @@ def _refine_rows(
         n_swaps[rows_ok] += 1
         active = rows_ok  # a row whose best swap does not improve has converged
     return n_swaps
+
+
+def _refine_other(
+    weight: torch.Tensor,
+    gram: torch.Tensor,
+    keep_mask: torch.Tensor,
+    *,
+    max_iters: int,
+    nm: tuple[int, int] | None,
+    eps: float,
+    row_batch: int | None,
+    compute: torch.device,
+    dtype: torch.dtype,
+    search: str,
+    resync_every: int,
+    objective: str,
+    damp: float,
+    scope: str,
+) -> RefineResult:
+    """``objective="refit"`` and/or ``scope="layer"`` (inputs already validated by :func:`refine_mask`)."""
+    d_out, d_in = weight.shape
+    gram64 = gram.detach().to(device=compute, dtype=torch.float64)
+    w64 = weight.detach().to(device=compute, dtype=torch.float64)
+    keep = keep_mask.detach().to(compute).clone()
+    lam = rs.damping(gram64, damp)
+    counts = keep.sum(dim=1)
+    k_max = int(counts.max()) if d_out else 0
+    q_max = int((d_in - counts).max()) if d_out else 0
+    m = nm[1] if nm is not None else None
+    if scope == "layer":
+        if objective == "mask":
+            rows = row_batch or max(1, ROW_BATCH_ELEMENTS // d_in)
+            model = layer_moves.MaskRows(w64, gram64, keep, dtype=dtype, search=search, row_batch=rows)
+            floor = eps
+        else:
+            rows = row_batch or max(1, rs.REFIT_ELEMENTS // max(1, (k_max + 1) * (q_max + 1)))
+            model = layer_moves.RefitRows(w64, gram64, keep, lam=lam, row_batch=rows)
+            floor = eps + rs.ACCEPT_RTOL * float(((w64 @ gram64) * w64).sum(dim=1).max())
+        n_swaps, iters = layer_moves.refine_layer(model, max_iters=max_iters, eps=floor, resync_every=resync_every)
+        keep, fitted = model.result()
+        fitted_before = model.fitted_before if objective == "refit" else None
+    else:
+        rows = row_batch or max(1, rs.REFIT_ELEMENTS // max(1, k_max * q_max))
+        fitted_before = torch.zeros_like(w64)
+        fitted = torch.zeros_like(w64)
+        n_swaps = torch.zeros(d_out, dtype=torch.long)
+        for r0 in range(0, d_out, rows):
+            sl = slice(r0, min(d_out, r0 + rows))
+            swaps, fitted_before[sl], fitted[sl] = rs.refine_refit_rows(
+                w64[sl], gram64, keep[sl], lam=lam, max_iters=max_iters, eps=eps, m=m,
+                resync_every=resync_every, row_offset=r0,
+            )  # fmt: skip
+            n_swaps[sl] = swaps.cpu()
+        iters = int(n_swaps.max()) if d_out else 0
+    mask = keep.to(keep_mask.device)
+    if objective == "mask":
+        return RefineResult(
+            mask=mask,
+            loss_before=row_losses(weight, gram, keep_mask).cpu(),
+            loss_after=row_losses(weight, gram, mask).cpu(),
+            n_swaps=n_swaps.cpu(),
+            iters=iters,
+        )
+    return RefineResult(
+        mask=mask,
+        loss_before=rs.fit_losses(w64, gram64, fitted_before).cpu(),
+        loss_after=rs.fit_losses(w64, gram64, fitted).cpu(),
+        n_swaps=n_swaps.cpu(),
+        iters=iters,
+        weight=fitted.to(device=weight.device, dtype=weight.dtype),
+    )

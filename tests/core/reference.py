@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 
@@ -308,3 +310,142 @@ def dsnot_prune_layer(
         reconstruction_error += torch.where(update_mask, pruning_metric, torch.zeros_like(pruning_metric))
         reconstruction_error -= torch.where(update_mask, regrowing_metric, torch.zeros_like(regrowing_metric))
     return initial, weight_mask
+
+
+# ---- re-fit objective and layer-budget moves (brute force, float64, from scratch) ----
+
+
+def refit_row_objective(w: torch.Tensor, gram: torch.Tensor, keep: torch.Tensor, damp: float) -> float:
+    """Damped re-fit objective of one row, ``w^T G w - b_S^T (G_SS + lambda I)^{-1} b_S``, by a dense solve."""
+    g, w = gram.double(), w.double()
+    lam = damp * float(torch.diagonal(g).mean())
+    b = g @ w
+    s = torch.nonzero(keep).flatten()
+    total = float(w @ b)
+    if s.numel() == 0:
+        return total
+    system = g[s][:, s] + lam * torch.eye(s.numel(), dtype=torch.float64)
+    return total - float(b[s] @ torch.linalg.solve(system, b[s]))
+
+
+def row_objective(objective: str, damp: float = 0.01):
+    """The per-row loss ``(w, gram, keep) -> float`` of ``objective`` ("mask" or "refit")."""
+    if objective == "mask":
+        return row_loss
+    return lambda w, gram, keep: refit_row_objective(w, gram, keep, damp)
+
+
+def refit_floor(w: torch.Tensor, gram: torch.Tensor) -> float:
+    """The re-fit engine's acceptance floor ``ACCEPT_RTOL * w^T G w`` of one row."""
+    from sparseswaps_prune.core.refit_swaps import ACCEPT_RTOL
+
+    w = w.double()
+    return ACCEPT_RTOL * float(w @ gram.double() @ w)
+
+
+def brute_best_swap_of(loss, w, gram, keep, m: int | None = None):
+    """(dL, u, p) of the best swap of one row under ``loss`` (exhaustive; ties to smallest u then p;
+    exact-zero weights never restored)."""
+    base = loss(w, gram, keep)
+    best = (float("inf"), -1, -1)
+    d = w.numel()
+    for u in range(d):
+        if not keep[u]:
+            continue
+        for p in range(d):
+            if keep[p] or w[p] == 0 or (m is not None and u // m != p // m):
+                continue
+            trial = keep.clone()
+            trial[u], trial[p] = False, True
+            dl = loss(w, gram, trial) - base
+            if dl < best[0] - 1e-9 * max(1.0, abs(base)):
+                best = (dl, u, p)
+    return best
+
+
+def brute_refine_refit(w, gram, keep, damp: float, max_iters: int, m: int | None = None):
+    """Per-row greedy loop under the re-fit objective (accepts dL < -refit_floor); returns (mask, swaps list)."""
+    loss = row_objective("refit", damp)
+    keep = keep.clone()
+    history = []
+    for r in range(w.shape[0]):
+        row_swaps = []
+        for _ in range(max_iters):
+            dl, u, p = brute_best_swap_of(loss, w[r], gram, keep[r], m)
+            if not dl < -refit_floor(w[r], gram):
+                break
+            keep[r, u], keep[r, p] = False, True
+            row_swaps.append((u, p))
+        history.append(row_swaps)
+    return keep, history
+
+
+def brute_row_moves(loss, w, gram, keep):
+    """Per row: best swap (dL, u, p), cheapest removal (dL, u) and best restore (dL, p), exhaustively."""
+    base = loss(w, gram, keep)
+    tol = 1e-9 * max(1.0, abs(base))
+    swap = brute_best_swap_of(loss, w, gram, keep)
+    remove, add = (float("inf"), -1), (float("inf"), -1)
+    for j in range(w.numel()):
+        trial = keep.clone()
+        trial[j] = not keep[j]
+        if keep[j]:
+            dl = loss(w, gram, trial) - base
+            if dl < remove[0] - tol:
+                remove = (dl, j)
+        elif w[j] != 0:
+            dl = loss(w, gram, trial) - base
+            if dl < add[0] - tol:
+                add = (dl, j)
+    return swap, remove, add
+
+
+def brute_plan(swap, remove, add, eps: float):
+    """Best combination of moves by enumerating every role assignment (idle / swap / donor / receiver per row)
+    with as many donors as receivers and a pairing in which every cross move lowers the loss by more than eps.
+    Minimises sum (dL + eps) over moves, then the number of moves. Returns (swaps, donors, receivers) row lists."""
+    n = len(swap)
+    best = (0.0, 0, ([], [], []))
+    for roles in itertools.product(range(4), repeat=n):
+        swaps = [i for i in range(n) if roles[i] == 1]
+        donors = [i for i in range(n) if roles[i] == 2]
+        receivers = [i for i in range(n) if roles[i] == 3]
+        if len(donors) != len(receivers):
+            continue
+        if any(not swap[i] < -eps for i in swaps):
+            continue
+        if any(remove[i] == float("inf") for i in donors) or any(add[i] == float("inf") for i in receivers):
+            continue
+        if donors and not any(
+            all(remove[i] + add[j] < -eps for i, j in zip(donors, perm, strict=True))
+            for perm in itertools.permutations(receivers)
+        ):
+            continue
+        value = sum(swap[i] + eps for i in swaps) + sum(
+            remove[i] + add[j] + eps for i, j in zip(donors, receivers, strict=True)
+        )
+        moves = len(swaps) + len(donors)
+        tol = 1e-12 * max(1.0, abs(best[0]))
+        if value < best[0] - tol or (abs(value - best[0]) <= tol and moves < best[1]):
+            best = (value, moves, (swaps, donors, receivers))
+    return best[2]
+
+
+def brute_layer_step(objective: str, w, gram, keep, damp: float = 0.01, eps: float = 0.0):
+    """One layer-budget iteration by brute force; returns the new mask (a copy) and the plan."""
+    loss = row_objective(objective, damp)
+    if objective == "refit":
+        eps = eps + max(refit_floor(w[r], gram) for r in range(w.shape[0]))
+    moves = [brute_row_moves(loss, w[r], gram, keep[r]) for r in range(w.shape[0])]
+    swaps, donors, receivers = brute_plan(
+        [m[0][0] for m in moves], [m[1][0] for m in moves], [m[2][0] for m in moves], eps
+    )
+    keep = keep.clone()
+    for r in swaps:
+        _, u, p = moves[r][0]
+        keep[r, u], keep[r, p] = False, True
+    for r in donors:
+        keep[r, moves[r][1][1]] = False
+    for r in receivers:
+        keep[r, moves[r][2][1]] = True
+    return keep, (swaps, donors, receivers)

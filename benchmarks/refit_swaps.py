@@ -1,0 +1,111 @@
+"""Re-fit-objective swap speed: state construction and one iteration per row batch, against the mask-only search.
+
+For each width d_in at 60% per-row sparsity (Wanda warmstart on a random correlated layer), prints per row:
+the time to build the float64 re-fit state (Cholesky of G_SS + lambda I, H, v, r, s and Z = H G[S, P]:
+O(k^2 (d_in - k))), of one re-fit iteration (the pair scan, then the rank-one updates of the applied swaps:
+O(k (d_in - k))), and of one mask-only iteration (best_swaps on the default backend, then the float64 c update),
+plus the state's memory per row. Figures go to BENCHMARKS.md only from a quiet machine.
+
+    python benchmarks/refit_swaps.py [--device cpu] [--widths 576 1536 4096] [--rows 8] [--threads N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import time
+
+import torch
+
+from sparseswaps_prune.core import refit_swaps as rs
+from sparseswaps_prune.core.backends import best_swaps, resolve_backend
+from sparseswaps_prune.core.losses import correlation
+from sparseswaps_prune.core.warmstart import warmstart_mask
+
+
+def problem(d_in: int, rows: int, device: str, seed: int = 0):
+    """Random correlated layer (G from 4 * d_in tokens) with a 60% Wanda mask, float64 on ``device``."""
+    gen = torch.Generator().manual_seed(seed)
+    mixing = torch.randn(d_in, d_in, generator=gen) / d_in**0.5 + torch.eye(d_in)
+    x = torch.randn(4 * d_in, d_in, generator=gen) @ mixing * torch.rand(d_in, generator=gen).add(0.1)
+    gram = (x.T @ x).double()
+    weight = torch.randn(rows, d_in, generator=gen).double()
+    keep = warmstart_mask(weight, "wanda", sparsity=0.6, gram=gram)
+    return weight.to(device), gram.to(device), keep.to(device)
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def timed(fn, repeat: int = 3) -> float:
+    """Mean seconds of ``fn()`` after one warm-up call."""
+    fn()
+    _sync()
+    start = time.perf_counter()
+    for _ in range(repeat):
+        fn()
+    _sync()
+    return (time.perf_counter() - start) / repeat
+
+
+def measure(d_in: int, n_rows: int, device: str, damp: float, search: str) -> tuple[int, float, float, float, float]:
+    """``(k, state MiB per row, build s/row, re-fit iteration s/row, mask-only iteration s/row)`` for one width."""
+    weight, gram, keep = problem(d_in, n_rows, device)
+    k = int(keep.sum(1).max())
+    q = d_in - k
+    lam = rs.damping(gram, damp)
+    floor = rs.pivot_floor(gram, lam)
+    rows = torch.arange(n_rows, device=weight.device)
+    build = timed(lambda: rs.build_state(weight, keep, gram, lam, k, q), repeat=1)
+
+    def refit_iteration() -> float:
+        state = rs.build_state(weight, keep, gram, lam, k, q)
+        _sync()
+        start = time.perf_counter()  # the iteration only, not the build
+        dl, slot_i, slot_j = rs.scan_swaps(state, weight, rows, floor)
+        accept = dl < 0
+        rs.swap_slots(state, rows[accept], slot_i[accept], slot_j[accept], gram)
+        _sync()
+        return time.perf_counter() - start
+
+    refit_it = min(refit_iteration() for _ in range(2))
+    w32, g32 = weight.float(), gram.float()
+    corr = correlation(weight, gram, keep)
+
+    def mask_iteration() -> torch.Tensor:
+        u, p, _ = best_swaps(search, w32, keep, corr.float(), g32)
+        u, p = u.to(weight.device), p.to(weight.device)
+        return corr + weight.gather(1, u[:, None]) * gram[u] - weight.gather(1, p[:, None]) * gram[p]
+
+    mask_it = timed(mask_iteration)
+    mib = (k * k + k * q) * 8 / 2**20
+    return k, mib, build / n_rows, refit_it / n_rows, mask_it / n_rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--widths", type=int, nargs="+", default=[576, 1536, 4096])
+    parser.add_argument("--rows", type=int, default=8, help="rows per batch")
+    parser.add_argument("--damp", type=float, default=0.01)
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(
+        f"machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
+        f"torch {torch.__version__}, device {args.device}, {args.rows} rows per batch"
+    )
+    print(
+        f"{'d_in':>5} {'k':>5} {'state MiB/row':>13} {'build s/row':>11} {'refit it s/row':>14} {'mask it s/row':>13}"
+    )
+    search = resolve_backend("auto", torch.device(args.device), None)
+    for d_in in args.widths:
+        k, mib, build, refit_it, mask_it = measure(d_in, args.rows, args.device, args.damp, search)
+        print(f"{d_in:>5} {k:>5} {mib:>13.1f} {build:>11.3e} {refit_it:>14.3e} {mask_it:>13.3e}")
+
+
+if __name__ == "__main__":
+    main()

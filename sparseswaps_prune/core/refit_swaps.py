@@ -1,0 +1,464 @@
+"""SparseSwaps under the re-fit objective: a swap is judged by the loss after re-fitting the kept weights.
+
+For a row ``w`` with kept set ``S`` the re-fitted weights (as :func:`~sparseswaps_prune.core.refit.refit_weights`)
+are ``v = argmin_v (w - v)^T G (w - v) + lambda ||v||^2`` over ``v`` zero off ``S``, ``lambda = damp * mean(diag G)``.
+The search minimises the value of that problem, the *damped re-fit objective*
+
+    F(S) = w^T G w - b_S^T H b_S,   b = G w,   H = (G_SS + lambda I)^{-1}
+
+(``damp = 0`` gives the plain least-squares loss ``(w - v)^T G (w - v)``). Per row the state is kept in float64:
+``H``, ``v = H b_S``, the residual ``r = b - G v`` and, for every pruned ``p``, ``Z[:, p] = H G[S, p]`` and the
+Schur complement ``s_p = G_pp + lambda - G[p, S] Z[:, p]``. Then, exactly,
+
+* removing kept ``u`` changes ``F`` by ``v_u^2 / H_uu``;
+* restoring pruned ``p`` changes ``F`` by ``-r_p^2 / s_p``;
+* the swap (prune ``u``, restore ``p``) changes ``F`` by
+  ``v_u^2 / H_uu - (r_p + Z_up v_u / H_uu)^2 / (s_p + Z_up^2 / H_uu)``.
+
+After a swap ``H``, ``v``, ``r``, ``s`` and ``Z`` change by two rank-one updates (the removal is a downdate of
+``H``; the addition a block-inverse update with ``s_p``), ``O(k (d_in - k) + k^2)`` per row, no re-inversion; the
+state is rebuilt from scratch (Cholesky) every ``resync_every`` iterations.
+
+Slots: each row holds its kept inputs in ``K`` kept slots and its pruned inputs in ``Q`` pruned slots (vacant slots
+pad rows with fewer inputs; their entries of ``H``, ``v``, ``Z`` are zero). A swap puts ``p`` into ``u``'s kept slot
+and ``u`` into ``p``'s pruned slot, so slot order is arbitrary; ties are still broken by input index.
+
+Pruned weights that are exactly zero are never restored (as in the mask-only search), and a restore whose new pivot
+``s`` would fall below ``PIVOT_RTOL * (G_pp + lambda)`` (a kept set whose ``G_SS + lambda I`` is numerically
+singular, only possible with ``damp = 0``) is not considered.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+from sparseswaps_prune.core.checks import check_gram, check_mask, check_weight
+
+# Elements of the [rows, k, d_in - k] state Z per row batch when the caller gives no row_batch (128 MiB float64).
+REFIT_ELEMENTS = 1 << 24
+# Elements of the [rows, k, d_in - k] temporaries of one chunk of the pair scan (32 MiB float64 each).
+SCAN_ELEMENTS = 1 << 22
+# A restore is feasible only if its new pivot s exceeds this fraction of G_pp + lambda (conditioning guard).
+PIVOT_RTOL = 1e-10
+# A swap is applied only if it lowers F by more than eps + ACCEPT_RTOL * w^T G w (rounding floor of the state).
+ACCEPT_RTOL = 1e-12
+
+
+@dataclass
+class RefitState:
+    """Float64 state of the re-fit objective for a batch of ``R`` rows (see the module docstring).
+
+    Attributes:
+        kept: ``[R, K]`` int64 input held by each kept slot (0 where vacant).
+        kept_ok: ``[R, K]`` bool, slot holds a kept input.
+        pruned: ``[R, Q]`` int64 input held by each pruned slot (0 where vacant).
+        pruned_ok: ``[R, Q]`` bool, slot holds a pruned input.
+        inv: ``[R, K, K]`` ``H = (G_SS + lambda I)^{-1}`` (zero rows and columns at vacant slots).
+        coef: ``[R, K]`` re-fitted weights ``v = H b_S``.
+        resid: ``[R, Q]`` ``r_p = b_p - G[p, S] v`` (0 at vacant slots).
+        schur: ``[R, Q]`` ``s_p`` (1 at vacant slots).
+        z: ``[R, K, Q]`` ``Z = H G[S, P]``.
+    """
+
+    kept: torch.Tensor
+    kept_ok: torch.Tensor
+    pruned: torch.Tensor
+    pruned_ok: torch.Tensor
+    inv: torch.Tensor
+    coef: torch.Tensor
+    resid: torch.Tensor
+    schur: torch.Tensor
+    z: torch.Tensor
+
+    def assign(self, rows: torch.Tensor, other: RefitState) -> None:
+        """Overwrite rows ``rows`` with ``other`` (same slot counts), in place."""
+        for f in fields(self):
+            getattr(self, f.name)[rows] = getattr(other, f.name)
+
+
+def damping(gram64: torch.Tensor, damp: float) -> float:
+    """``lambda = damp * mean(diag G)``, as :func:`~sparseswaps_prune.core.refit.refit_weights`."""
+    return damp * float(torch.diagonal(gram64).mean())
+
+
+def build_state(
+    w64: torch.Tensor,
+    keep: torch.Tensor,
+    gram64: torch.Tensor,
+    lam: float,
+    n_kept_slots: int,
+    n_pruned_slots: int,
+    *,
+    row_offset: int | torch.Tensor = 0,
+) -> RefitState:
+    """Re-fit state of every row from scratch, ``O(k^2 (d_in - k) + k^3)`` per row.
+
+    Args:
+        w64: ``[R, d]`` float64 weights; keep: ``[R, d]`` bool kept mask (not modified).
+        gram64: ``[d, d]`` float64 Gram matrix; lam: absolute damping ``lambda``.
+        n_kept_slots, n_pruned_slots: slot counts ``K >= max k_i`` and ``Q >= max (d - k_i)``.
+        row_offset: layer index of row 0 (an int), or ``[R]`` layer indices, for error messages.
+
+    Raises:
+        ValueError: ``G_SS + lambda I`` is not positive definite for some rows (names them; raise ``damp``).
+    """
+    d = keep.shape[1]
+    dev = w64.device
+    k_slots, q_slots = n_kept_slots, n_pruned_slots
+    counts = keep.sum(dim=1)
+    # kept inputs first (ascending), then the pruned ones; and the reverse for the pruned slots
+    kept = torch.sort((~keep).to(torch.int8), dim=1, stable=True).indices[:, :k_slots]
+    pruned = torch.sort(keep.to(torch.int8), dim=1, stable=True).indices[:, :q_slots]
+    kept_ok = torch.arange(k_slots, device=dev) < counts[:, None]
+    pruned_ok = torch.arange(q_slots, device=dev) < (d - counts)[:, None]
+    kept = torch.where(kept_ok, kept, 0)
+    pruned = torch.where(pruned_ok, pruned, 0)
+
+    pair_ok = kept_ok[:, :, None] & kept_ok[:, None, :]
+    eye = torch.eye(k_slots, dtype=torch.float64, device=dev)
+    system = torch.where(pair_ok, gram64[kept[:, :, None], kept[:, None, :]] + lam * eye, eye)
+    factor, info = torch.linalg.cholesky_ex(system)
+    if bool((info != 0).any()):
+        bad = torch.nonzero(info).flatten()
+        named = (row_offset[bad] if isinstance(row_offset, torch.Tensor) else bad + row_offset).tolist()[:5]
+        raise ValueError(
+            f"G_SS + lambda I is singular for rows {named} (kept inputs with no calibration signal or collinear, "
+            f"lambda={lam:.3g}); use damp > 0 for objective='refit'"
+        )
+    target = w64 @ gram64  # b = G w, G symmetric
+    inv = torch.cholesky_inverse(factor) * pair_ok
+    coef = torch.cholesky_solve(torch.where(kept_ok, target.gather(1, kept), 0.0)[:, :, None], factor).squeeze(2)
+    cross = gram64[kept[:, :, None], pruned[:, None, :]] * (kept_ok[:, :, None] & pruned_ok[:, None, :])
+    z = torch.cholesky_solve(cross, factor)  # vacant kept rows solve an identity system with zero rhs: 0
+    resid = torch.where(pruned_ok, target.gather(1, pruned) - torch.einsum("rkq,rk->rq", cross, coef), 0.0)
+    diag = torch.diagonal(gram64)
+    schur = torch.where(pruned_ok, diag[pruned] + lam - torch.einsum("rkq,rkq->rq", cross, z), 1.0)
+    return RefitState(kept, kept_ok, pruned, pruned_ok, inv, coef, resid, schur, z)
+
+
+def restorable(state: RefitState, w64: torch.Tensor, rows: torch.Tensor | slice = slice(None)) -> torch.Tensor:
+    """``[n, Q]`` bool: pruned slots whose weight is nonzero (exact zeros are never restored)."""
+    return state.pruned_ok[rows] & (w64[rows].gather(1, state.pruned[rows]) != 0)
+
+
+def _tie_break(cost: torch.Tensor, key: torch.Tensor, best: torch.Tensor) -> torch.Tensor:
+    """Flat index of the entry of smallest ``key`` among those equal to the row minimum ``best``."""
+    big = torch.iinfo(torch.long).max
+    return torch.where(cost == best[:, None], key, big).argmin(dim=1)
+
+
+def scan_swaps(
+    state: RefitState,
+    w64: torch.Tensor,
+    rows: torch.Tensor,
+    pivot_floor: torch.Tensor,
+    m: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Best swap of every row in ``rows``, ``O(k (d_in - k))`` per row (chunked to ``SCAN_ELEMENTS``).
+
+    Args:
+        state: the batch state (not modified); w64: ``[R, d]`` float64 weights.
+        rows: ``[n]`` int64 rows of the batch to scan.
+        pivot_floor: ``[d]`` smallest admissible new pivot per input, from :func:`pivot_floor`.
+        m: N:M block size (``u`` and ``p`` in one block of ``m`` inputs), or None.
+
+    Returns:
+        ``dF`` ``[n]`` float64 (``+inf`` where no feasible pair), kept slot ``i`` and pruned slot ``j`` ``[n]``
+        int64. Ties go to the smallest ``u`` (input index), then the smallest ``p``.
+    """
+    n = rows.numel()
+    _, k_slots, q_slots = state.z.shape
+    d = w64.shape[1]
+    best = torch.full((n,), float("inf"), dtype=torch.float64, device=w64.device)
+    slot_i = torch.zeros(n, dtype=torch.long, device=w64.device)
+    slot_j = torch.zeros_like(slot_i)
+    if n == 0 or k_slots == 0 or q_slots == 0:
+        return best, slot_i, slot_j
+    chunk = max(1, SCAN_ELEMENTS // (k_slots * q_slots))
+    for c0 in range(0, n, chunk):
+        sub = rows[c0 : c0 + chunk]
+        kept, kept_ok, pruned = state.kept[sub], state.kept_ok[sub], state.pruned[sub]
+        h = torch.diagonal(state.inv, dim1=1, dim2=2)[sub]
+        h_safe = torch.where(kept_ok, h, 1.0)
+        ratio = state.coef[sub] / h_safe  # v_u / H_uu
+        remove = state.coef[sub] * ratio  # v_u^2 / H_uu
+        z = state.z[sub]
+        # in place over [n, K, Q]: pivot = s_p + Z_up^2 / H_uu, cost = remove_u - (r_p + Z_up ratio_u)^2 / pivot
+        pivot = z.square().div_(h_safe[:, :, None]).add_(state.schur[sub][:, None, :])
+        cost = z.mul(ratio[:, :, None]).add_(state.resid[sub][:, None, :]).square_().div_(pivot)
+        ok = pivot > pivot_floor[pruned][:, None, :]
+        ok &= kept_ok[:, :, None]
+        ok &= restorable(state, w64, sub)[:, None, :]
+        if m is not None:
+            ok &= (kept // m)[:, :, None] == (pruned // m)[:, None, :]
+        cost = cost.neg_().add_(remove[:, :, None]).masked_fill_(~ok, float("inf")).flatten(1)
+        low, flat = cost.min(dim=1)  # first slot on ties; the index rule is applied to tied rows only
+        tied = ((cost == low[:, None]).sum(dim=1) > 1) & (low < float("inf"))
+        if bool(tied.any()):
+            key = (kept[tied][:, :, None] * d + pruned[tied][:, None, :]).flatten(1)
+            flat[tied] = _tie_break(cost[tied], key, low[tied])
+        best[c0 : c0 + chunk] = low
+        slot_i[c0 : c0 + chunk] = flat // q_slots
+        slot_j[c0 : c0 + chunk] = flat % q_slots
+    return best, slot_i, slot_j
+
+
+def _row_min(cost: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row minimum of ``cost`` ``[n, w]`` (``+inf`` when ``w == 0``) and the column of smallest ``key`` reaching it."""
+    if cost.shape[1] == 0:
+        n = cost.shape[0]
+        return cost.new_full((n,), float("inf")), torch.zeros(n, dtype=torch.long, device=cost.device)
+    low = cost.min(dim=1).values
+    return low, _tie_break(cost, key, low)
+
+
+def best_removals(state: RefitState, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cheapest removal per row: ``min_u v_u^2 / H_uu`` (``+inf`` if nothing is kept) and its kept slot
+    (ties to the smallest ``u``)."""
+    kept_ok = state.kept_ok[rows]
+    h = torch.diagonal(state.inv, dim1=1, dim2=2)[rows]
+    coef = state.coef[rows]
+    cost = torch.where(kept_ok, coef * coef / torch.where(kept_ok, h, 1.0), float("inf"))
+    return _row_min(cost, state.kept[rows])
+
+
+def best_additions(
+    state: RefitState, w64: torch.Tensor, rows: torch.Tensor, pivot_floor: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Best restore per row: ``min_p -r_p^2 / s_p`` over restorable ``p`` (``+inf`` if none) and its pruned slot
+    (ties to the smallest ``p``)."""
+    schur, pruned = state.schur[rows], state.pruned[rows]
+    ok = restorable(state, w64, rows) & (schur > pivot_floor[pruned])
+    gain = torch.where(ok, -state.resid[rows].square() / torch.where(ok, schur, 1.0), float("inf"))
+    return _row_min(gain, pruned)
+
+
+def _add_rows(target: torch.Tensor, rows: torch.Tensor, src: torch.Tensor) -> None:
+    """``target[rows] += src`` in place for distinct ``rows``. On the CPU row by row: ``index_add_`` there is
+    multi-threaded even for tiny updates and stalls on a busy machine; elsewhere ``index_add_``."""
+    if target.device.type != "cpu":
+        target.index_add_(0, rows, src)
+        return
+    for i, r in enumerate(rows.tolist()):
+        target[r].add_(src[i])
+
+
+Incoming = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def remove_kept(state: RefitState, rows: torch.Tensor, slot: torch.Tensor) -> Incoming:
+    """Prune the input in kept slot ``slot[n]`` of each row ``rows[n]`` (distinct rows), in place.
+
+    Downdates ``H``, ``v``, ``Z``, ``r``, ``s`` (``O(k (d_in - k) + k^2)`` per row) and vacates the slot. Returns the
+    pruned input's new pruned-slot entries ``(u, Z[:, u], r_u, s_u)`` = ``(u, -H[:, u] / H_uu, v_u / H_uu, 1 / H_uu)``
+    for :func:`place_pruned` or :func:`add_pruned`.
+    """
+    ar = torch.arange(rows.numel(), device=rows.device)
+    h = state.inv[rows, :, slot]  # [n, K] column H[:, u]
+    h_uu = h[ar, slot]
+    ratio = state.coef[rows, slot] / h_uu
+    z_row = state.z[rows, slot, :]  # [n, Q]
+    scaled = h / -h_uu[:, None]
+    _add_rows(state.inv, rows, h[:, :, None] * scaled[:, None, :])
+    state.coef[rows] -= h * ratio[:, None]
+    _add_rows(state.z, rows, scaled[:, :, None] * z_row[:, None, :])
+    state.resid[rows] += z_row * ratio[:, None]
+    state.schur[rows] += z_row * z_row / h_uu[:, None]
+    state.inv[rows, slot, :] = 0.0
+    state.inv[rows, :, slot] = 0.0
+    state.coef[rows, slot] = 0.0
+    state.z[rows, slot, :] = 0.0
+    u = state.kept[rows, slot]
+    state.kept[rows, slot] = 0
+    state.kept_ok[rows, slot] = False
+    scaled[ar, slot] = 0.0
+    return u, scaled, ratio, 1.0 / h_uu
+
+
+def place_pruned(state: RefitState, rows: torch.Tensor, slot: torch.Tensor, incoming: Incoming) -> None:
+    """Write a just-pruned input (from :func:`remove_kept`) into vacant pruned slot ``slot`` of each row."""
+    u, z_col, resid, schur = incoming
+    state.z[rows, :, slot] = z_col
+    state.resid[rows, slot] = resid
+    state.schur[rows, slot] = schur
+    state.pruned[rows, slot] = u
+    state.pruned_ok[rows, slot] = True
+
+
+def add_pruned(
+    state: RefitState,
+    rows: torch.Tensor,
+    slot: torch.Tensor,
+    dest: torch.Tensor,
+    gram64: torch.Tensor,
+    incoming: Incoming | None = None,
+) -> None:
+    """Restore the input in pruned slot ``slot`` of each row into vacant kept slot ``dest``, in place.
+
+    Block-inverse update of ``H`` with the pivot ``s_p`` and rank-one updates of ``v``, ``Z``, ``r``, ``s``
+    (``O(k (d_in - k) + k^2)`` per row). With ``incoming`` (a swap) the input pruned by :func:`remove_kept` takes
+    over the pruned slot; otherwise the slot is vacated.
+    """
+    ar = torch.arange(rows.numel(), device=rows.device)
+    y = state.z[rows, :, slot]  # [n, K] Z[:, p] (zero at the vacant dest)
+    pivot = state.schur[rows, slot]
+    ratio = state.resid[rows, slot] / pivot  # the restored weight's re-fitted value
+    p = state.pruned[rows, slot]
+    if incoming is None:
+        place_pruned(state, rows, slot, (torch.zeros_like(p), torch.zeros_like(y), 0.0, 1.0))
+        state.pruned_ok[rows, slot] = False
+    else:
+        place_pruned(state, rows, slot, incoming)
+    gram_p = gram64[p]  # [n, d]
+    kept_ok = state.kept_ok[rows]
+    g_kept = torch.where(kept_ok, gram_p.gather(1, state.kept[rows]), 0.0)
+    t = gram_p.gather(1, state.pruned[rows]) - torch.bmm(g_kept[:, None, :], state.z[rows]).squeeze(1)
+    t = torch.where(state.pruned_ok[rows], t, 0.0)  # t_q = G_pq - G[p, S] Z[:, q]
+    y[ar, dest] = -1.0
+    _add_rows(state.inv, rows, y[:, :, None] * (y / pivot[:, None])[:, None, :])
+    state.coef[rows] -= y * ratio[:, None]
+    _add_rows(state.z, rows, (y / -pivot[:, None])[:, :, None] * t[:, None, :])
+    state.resid[rows] -= t * ratio[:, None]
+    state.schur[rows] -= t * t / pivot[:, None]
+    state.kept[rows, dest] = p
+    state.kept_ok[rows, dest] = True
+
+
+def swap_slots(
+    state: RefitState, rows: torch.Tensor, slot_i: torch.Tensor, slot_j: torch.Tensor, gram64: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Swap kept slot ``slot_i`` and pruned slot ``slot_j`` of each row (prune ``u``, restore ``p``), in place.
+
+    Returns the inputs ``(u, p)`` ``[n]``.
+    """
+    p = state.pruned[rows, slot_j]
+    incoming = remove_kept(state, rows, slot_i)
+    add_pruned(state, rows, slot_j, slot_i, gram64, incoming)
+    return incoming[0], p
+
+
+def grow(state: RefitState, n_kept_slots: int, n_pruned_slots: int) -> RefitState:
+    """A copy of ``state`` with at least the given slot counts (new slots vacant)."""
+    rows, k_old, q_old = state.z.shape
+    k_new, q_new = max(k_old, n_kept_slots), max(q_old, n_pruned_slots)
+
+    def pad(t: torch.Tensor, shape: tuple[int, ...], fill: float | bool | int = 0) -> torch.Tensor:
+        out = torch.full(shape, fill, dtype=t.dtype, device=t.device)
+        out[tuple(slice(0, s) for s in t.shape)] = t
+        return out
+
+    return RefitState(
+        kept=pad(state.kept, (rows, k_new)),
+        kept_ok=pad(state.kept_ok, (rows, k_new), False),
+        pruned=pad(state.pruned, (rows, q_new)),
+        pruned_ok=pad(state.pruned_ok, (rows, q_new), False),
+        inv=pad(state.inv, (rows, k_new, k_new)),
+        coef=pad(state.coef, (rows, k_new)),
+        resid=pad(state.resid, (rows, q_new)),
+        schur=pad(state.schur, (rows, q_new), 1.0),
+        z=pad(state.z, (rows, k_new, q_new)),
+    )
+
+
+def keep_of(state: RefitState, d: int) -> torch.Tensor:
+    """``[R, d]`` bool kept mask held by the state."""
+    out = torch.zeros(state.kept.shape[0], d, dtype=torch.long, device=state.kept.device)
+    return out.scatter_add_(1, state.kept, state.kept_ok.long()) > 0
+
+
+def fitted_weights(state: RefitState, d: int) -> torch.Tensor:
+    """``[R, d]`` float64 re-fitted weights ``v`` (zero off the kept set)."""
+    out = torch.zeros(state.kept.shape[0], d, dtype=torch.float64, device=state.coef.device)
+    return out.scatter_add_(1, state.kept, torch.where(state.kept_ok, state.coef, 0.0))
+
+
+def fit_losses(w64: torch.Tensor, gram64: torch.Tensor, fitted: torch.Tensor) -> torch.Tensor:
+    """Undamped loss ``(w - v)^T G (w - v)`` per row, float64 ``[R]``."""
+    err = w64 - fitted
+    return ((err @ gram64) * err).sum(dim=1)
+
+
+def pivot_floor(gram64: torch.Tensor, lam: float) -> torch.Tensor:
+    """``[d]`` smallest admissible pivot ``s`` when restoring each input, ``PIVOT_RTOL * (G_pp + lambda)``."""
+    return PIVOT_RTOL * (torch.diagonal(gram64) + lam)
+
+
+def refit_objective(
+    weight: torch.Tensor, gram: torch.Tensor, keep_mask: torch.Tensor, *, damp: float = 0.01
+) -> torch.Tensor:
+    """Per-row damped re-fit objective ``F(S) = w^T G w - b_S^T (G_SS + lambda I)^{-1} b_S``, from scratch.
+
+    Args:
+        weight: ``[d_out, d_in]``; gram: ``[d_in, d_in]``; keep_mask: ``[d_out, d_in]`` bool (none modified).
+        damp: relative damping, ``lambda = damp * mean(diag G)``.
+
+    Returns:
+        ``[d_out]`` float64 on ``weight``'s device: ``min_v (w - v)^T G (w - v) + lambda ||v||^2`` over ``v`` zero
+        off the mask, what ``refine_mask(..., objective="refit", damp=damp)`` minimises.
+
+    Raises:
+        ValueError: bad shapes, NaN, ``damp < 0``, or a singular ``G_SS + lambda I`` (names the rows).
+    """
+    check_weight(weight)
+    check_gram(gram, weight.shape[1])
+    check_mask(keep_mask, weight)
+    if not damp >= 0:
+        raise ValueError(f"damp must be >= 0, got {damp!r}")
+    gram64 = gram.detach().to(device=weight.device, dtype=torch.float64)
+    w64 = weight.detach().to(torch.float64)
+    keep = keep_mask.to(weight.device)
+    counts = keep.sum(dim=1)
+    k_slots = int(counts.max()) if counts.numel() else 0
+    state = build_state(w64, keep, gram64, damping(gram64, damp), k_slots, 0)
+    target = w64 @ gram64
+    kept_target = torch.where(state.kept_ok, target.gather(1, state.kept), 0.0)
+    return (target * w64).sum(dim=1) - (kept_target * state.coef).sum(dim=1)
+
+
+def refine_refit_rows(
+    w64: torch.Tensor,
+    gram64: torch.Tensor,
+    keep: torch.Tensor,
+    *,
+    lam: float,
+    max_iters: int,
+    eps: float,
+    m: int | None,
+    resync_every: int,
+    row_offset: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Swap loop of one row batch under the re-fit objective; ``keep`` ``[R, d]`` is updated in place.
+
+    Every iteration applies each active row's best swap when it lowers ``F`` by more than
+    ``eps + ACCEPT_RTOL * w^T G w``; a row without such a swap retires. Returns the swap counts ``[R]`` int64 and
+    the re-fitted weights of the input and of the final mask (``[R, d]`` float64).
+    """
+    rows, d = keep.shape
+    counts = keep.sum(dim=1)
+    k_slots = int(counts.max()) if rows else 0
+    q_slots = int((d - counts).max()) if rows else 0
+    state = build_state(w64, keep, gram64, lam, k_slots, q_slots, row_offset=row_offset)
+    fitted_before = fitted_weights(state, d)
+    floor = eps + ACCEPT_RTOL * ((w64 @ gram64) * w64).sum(dim=1)
+    floor_pivot = pivot_floor(gram64, lam)
+    active = torch.arange(rows, device=w64.device)
+    n_swaps = torch.zeros(rows, dtype=torch.long, device=w64.device)
+    it = 0
+    while it < max_iters and active.numel() > 0:
+        it += 1
+        if it % resync_every == 0:
+            fresh = build_state(
+                w64[active], keep[active], gram64, lam, k_slots, q_slots, row_offset=active + row_offset
+            )
+            state.assign(active, fresh)
+        dl, slot_i, slot_j = scan_swaps(state, w64, active, floor_pivot, m)
+        accept = dl < -floor[active]
+        moving = active[accept]
+        u, p = swap_slots(state, moving, slot_i[accept], slot_j[accept], gram64)
+        keep[moving, u] = False
+        keep[moving, p] = True
+        n_swaps[moving] += 1
+        active = moving
+    return n_swaps, fitted_before, fitted_weights(state, d)
