@@ -47,6 +47,7 @@ def _prune(args: argparse.Namespace) -> int:
         exclude=args.exclude,
         scope=args.scope,
         refine=args.refine,
+        objective=args.objective,
         refit=args.refit,
         damp=args.damp,
     )
@@ -139,13 +140,21 @@ def build_parser() -> argparse.ArgumentParser:
     budget.add_argument("--nm", type=_nm, default=None, help="N:M pattern, e.g. 2:4")
     p.add_argument("--max-iters", type=int, default=DEFAULT_MAX_ITERS, help="SparseSwaps iterations T per layer")
     p.add_argument("--eps", type=float, default=0.0, help="stop a row when its best swap gains less")
-    p.add_argument("--scope", default="row", choices=["row", "layer"], help="warmstart budget per row or per layer")
+    p.add_argument(
+        "--scope", default="row", choices=["row", "layer"], help="budget per row, or per layer (moves across rows)"
+    )
     p.add_argument("--refine", default="sparseswaps", choices=REFINERS, help="mask refinement after the warmstart")
     p.add_argument(
         "--refit",
         default="none",
         choices=REFITS,
         help="re-fit kept weights: ls (exact per row) or cg (iterative)",
+    )
+    p.add_argument(
+        "--objective",
+        default="mask",
+        choices=["mask", "refit"],
+        help="swap objective: kept weights as is, or re-fitted",
     )
     p.add_argument("--damp", type=float, default=0.01, help="relative ridge dampening of the re-fit")
     p.add_argument("--include", nargs="+", default=None, help="fnmatch patterns of layer names to prune")

@@ -34,14 +34,15 @@ class SparseSwapsMethod(prune.BasePruningMethod):
         warmstart: ``"magnitude"``, ``"wanda"``, ``"ria"`` or ``"sparsegpt"`` (SparseGPT's mask, weights kept).
         nm: ``(n, m)`` semi-structured pattern instead of ``amount``.
         max_iters: 1-swap iterations ``T_max`` (0: warmstart only).
-        scope: warmstart selection, ``"row"`` or ``"layer"`` (refinement keeps each row's count).
+        scope: budget, ``"row"`` or ``"layer"`` (the warmstart selects per layer and refinement also moves
+            weights between rows, keeping the layer's count).
         refit: ``"none"`` or ``"ls"``: re-fit each row's kept weights by exact least squares on its Gram
             (:func:`~sparseswaps_prune.refit_weights`, ridge ``damp``). The re-fitted weights are written
             into the pruned tensors (they land in ``<name>_orig``; the masked entries stay zero in
             ``<name>``), so ``refit`` needs ``tensors=``.
-        damp: relative dampening of the re-fit.
-        **refine_kwargs: passed to :func:`~sparseswaps_prune.refine_mask` (``eps``, ``device``, ``dtype``,
-            ``backend``, ``row_batch``).
+        damp: relative dampening of the re-fit (and of the re-fit objective).
+        **refine_kwargs: passed to :func:`~sparseswaps_prune.refine_mask` (``objective``, ``eps``, ``device``,
+            ``dtype``, ``backend``, ``row_batch``). ``objective="refit"`` needs ``refit="ls"``.
 
     After ``compute_mask``, ``self.results`` holds each tensor's :class:`RefineResult` (with ``weight``
     set to the re-fitted weights when ``refit="ls"``).
@@ -73,6 +74,8 @@ class SparseSwapsMethod(prune.BasePruningMethod):
             raise ValueError(f"unknown warmstart {warmstart!r}; choose one of {', '.join(WARMSTARTS)}")
         if refit not in ("none", "ls"):
             raise ValueError(f"refit must be 'none' or 'ls', got {refit!r}")
+        if refine_kwargs.get("objective", "mask") == "refit" and refit == "none":
+            raise ValueError("objective='refit' chooses masks for re-fitted weights: also pass refit='ls'")
         if refit != "none" and tensors is None:
             raise ValueError("refit='ls' writes the re-fitted weights into the pruned tensors: pass tensors=")
         if isinstance(grams, torch.Tensor):
@@ -165,9 +168,18 @@ class SparseSwapsMethod(prune.BasePruningMethod):
             scores = importance_scores(weight, self.warmstart, gram).masked_fill(~existing, float("-inf"))
             kept = existing.sum(dim=1, keepdim=True)
             keep = keep_top(scores, kept - torch.round(self.amount * kept).long()) & existing
-        result = refine_mask(weight, gram, keep, max_iters=self.max_iters, nm=self.nm, **self.refine_kwargs)
+        result = refine_mask(
+            weight,
+            gram,
+            keep,
+            max_iters=self.max_iters,
+            nm=self.nm,
+            scope=self.scope if self.nm is None else "row",
+            damp=self.damp,
+            **self.refine_kwargs,
+        )
         result.mask &= existing
-        if self.refit == "ls":
+        if self.refit == "ls" and result.weight is None:
             try:
                 result.weight = refit_weights(weight, gram, result.mask, damp=self.damp)
             except ValueError as err:

@@ -51,11 +51,13 @@ class PruneOptions:
         sparsity: fraction of each row pruned, in ``[0, 1)``; exclusive with ``nm``.
         nm: ``(n, m)`` semi-structured pattern, e.g. ``(2, 4)``.
         max_iters: SparseSwaps iterations ``T_max`` per layer (0: warmstart only).
+        objective: what SparseSwaps minimises: ``"mask"`` (the loss with the kept weights as they are) or
+            ``"refit"`` (the loss after re-fitting the kept weights; needs ``refit`` other than ``"none"``).
         eps: a row stops once its best swap gains less than ``eps``.
         include, exclude: fnmatch patterns on fully qualified layer names (default: every linear in
             every decoder block; ``lm_head`` and embeddings are outside the blocks and never pruned).
-        scope: warmstart budget, ``"row"`` (the same count in every row) or ``"layer"`` (one count per
-            layer; rows keep unequal counts, which SparseSwaps then keeps row by row).
+        scope: budget, ``"row"`` (the same count in every row) or ``"layer"`` (one count per layer: the
+            warmstart selects per layer and SparseSwaps also moves weights between rows).
         refine: ``"sparseswaps"`` (1-swap refinement, ``max_iters`` iterations), ``"dsnot"`` (DSnoT, max 50
             cycles, update threshold 0.1, on every layer: the original skips MLP layers by default) or
             ``"none"``.
@@ -75,6 +77,7 @@ class PruneOptions:
     sparsity: float | None = 0.6
     nm: tuple[int, int] | None = None
     max_iters: int = 100
+    objective: str = "mask"
     eps: float = 0.0
     include: list[str] | None = None
     exclude: list[str] | None = None
@@ -98,6 +101,12 @@ class PruneOptions:
         for name, choices in (("scope", ("row", "layer")), ("refine", REFINERS), ("refit", REFITS)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name} must be one of {', '.join(choices)}; got {getattr(self, name)!r}")
+        if self.objective not in ("mask", "refit"):
+            raise ValueError(f"objective must be 'mask' or 'refit', got {self.objective!r}")
+        if self.objective == "refit" and self.refit == "none":
+            raise ValueError("objective='refit' chooses masks for re-fitted weights: also set refit='ls' (--refit ls)")
+        if self.scope == "layer" and self.nm is not None:
+            raise ValueError("scope='layer' has no meaning with nm (N:M fixes every block's count); use scope='row'")
         if not (isinstance(self.damp, (int, float)) and self.damp >= 0):
             raise ValueError(f"damp must be a number >= 0, got {self.damp!r}")
         for name in ("gram_dtype", "search_dtype"):
@@ -331,6 +340,7 @@ def _prune_layer(
         keep = warmstart_mask(
             weight, options.warmstart, sparsity=options.sparsity, nm=options.nm, gram=acc.gram, scope=options.scope
         )
+        searched_weight = None
         if options.refine == "sparseswaps":
             refined = refine_mask(
                 weight,
@@ -341,9 +351,14 @@ def _prune_layer(
                 eps=options.eps,
                 device=device,
                 dtype=getattr(torch, options.search_dtype),
+                objective=options.objective,
+                damp=options.damp,
+                scope=options.scope,
             )
             mask, loss_warm, loss_refined = refined.mask, refined.loss_before, refined.loss_after
-            n_swaps, iters = int(refined.n_swaps.sum()), refined.iters
+            n_swaps, iters, searched_weight = int(refined.n_swaps.sum()), refined.iters, refined.weight
+            if options.objective == "refit":  # the report's loss_warmstart / loss_refined are mask-only losses
+                loss_warm, loss_refined = row_losses(weight, acc.gram, keep), row_losses(weight, acc.gram, mask)
         else:
             mask, n_swaps, iters = keep, 0, 0
             if options.refine == "dsnot":
@@ -358,6 +373,8 @@ def _prune_layer(
         if options.refit == "obs":
             refit = sparsegpt_prune(weight.to(device), acc.gram, keep_mask=mask.to(device), damp=options.damp).weight
             refit = refit.cpu()
+        elif searched_weight is not None:
+            refit = searched_weight.cpu()  # the re-fit objective's search already holds the exact re-fit
         elif options.refit != "none":
             solver = "cg" if options.refit == "cg" else "direct"
             refit = refit_weights(

@@ -158,3 +158,18 @@ def test_refit_lands_in_weight_orig(route):
         assert weight_losses(w, layer.weight, gram).sum() < row_losses(w, gram, mask).sum()
     with pytest.raises(ValueError, match="tensors="):
         SparseSwapsMethod(0.5, grams=grams, shapes=[(24, 16), (8, 24)], refit="ls")
+
+
+def test_refit_objective_and_layer_scope_through_the_prune_method():
+    model, grams = model_and_grams(5)
+    params = [(model[0], "weight"), (model[2], "weight")]
+    dense = [layer.weight.detach().clone() for layer in model[::2]]
+    method_kwargs = {"grams": grams, "tensors": params, "max_iters": 5, "scope": "layer"}
+    prune.global_unstructured(
+        params, pruning_method=SparseSwapsMethod, amount=0.5, objective="refit", refit="ls", **method_kwargs
+    )
+    for layer, w in zip(model[::2], dense, strict=True):
+        assert int(layer.weight_mask.sum()) == w.numel() // 2  # the layer's count, rows may differ
+        assert not torch.equal(layer.weight_orig, w)
+    with pytest.raises(ValueError, match="refit='ls'"):
+        SparseSwapsMethod(0.5, grams=grams, tensors=params, objective="refit")
