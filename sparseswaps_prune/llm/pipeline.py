@@ -120,7 +120,8 @@ class LayerReport:
 
     ``loss_*`` are measured on the calibration Gram: ``loss_warmstart`` and ``loss_refined`` with the kept
     weights as they are (the mask-only loss), ``loss_refit`` with the re-fitted weights (None without
-    re-fit). ``holdout_*`` are the same losses on the held-out calibration Gram (None without one).
+    re-fit). ``holdout_*`` are the same losses on the held-out calibration Gram (None without one), scaled
+    by (calibration tokens / held-out tokens) so that both are sums over the same number of tokens.
     """
 
     name: str
@@ -400,10 +401,11 @@ def _prune_layer(
         report.loss_refit = float(weight_losses(weight, refit, acc.gram).sum())
         report.seconds_refit = time.perf_counter() - start - seconds
     if holdout is not None:
-        report.holdout_warmstart = float(row_losses(weight, holdout.gram, keep.cpu()).sum())
-        report.holdout_refined = float(row_losses(weight, holdout.gram, mask.cpu()).sum())
+        scale = acc.n_tokens / holdout.n_tokens  # held-out sums on the calibration token count's scale
+        report.holdout_warmstart = scale * float(row_losses(weight, holdout.gram, keep.cpu()).sum())
+        report.holdout_refined = scale * float(row_losses(weight, holdout.gram, mask.cpu()).sum())
         if refit is not None:
-            report.holdout_refit = float(weight_losses(weight, refit, holdout.gram).sum())
+            report.holdout_refit = scale * float(weight_losses(weight, refit, holdout.gram).sum())
     return report, refit
 
 
