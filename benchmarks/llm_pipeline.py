@@ -476,12 +476,6 @@ def memory_plan(
             "input embeddings (this benchmark moves them to the device for the capture)",
             cfg["vocab_size"] * h * b,
         ),
-        "stale": (
-            "device",
-            f"masked `weight` of the {n_blocks - 1} blocks done before the last: prune's computed weight is a plain "
-            "attribute, which blocks[i].to('cpu') does not move (pipeline.py as it is)",
-            (n_blocks - 1) * linear * b,
-        ),
         "warmstart": (
             "device",
             "Wanda warmstart of the largest layer: scores and sorted scores (fp32) + sort indices (int64)",
@@ -490,9 +484,9 @@ def memory_plan(
         "model": ("host", f"dense model ({dt}; {total / 1e9:.2f} B parameters)", total * b),
         "model_masked": (
             "host",
-            f"  + weight_mask of every pruned weight ({dt}, until finalize; the computed masked weights stay "
-            "on the device, see above; on a CPU run they add as much again here)",
-            n_blocks * linear * b,
+            f"  + weight_mask of every pruned weight ({dt}, until finalize) and the computed masked weight "
+            "(prune_model recomputes it on the host when a block leaves the device)",
+            2 * n_blocks * linear * b,
         ),
         "masks": ("host", "PruneResult.masks + .warmstart_masks: bool, 1 byte per weight each", 2 * n_blocks * linear),
         "inputs": ("host", f"captured block inputs [{nsamples}, {seqlen}, {h}] {dt}", nsamples * seqlen * h * b),
@@ -512,10 +506,6 @@ def memory_plan(
         ),
         "row_losses of down_proj": ("device", ["block", "masked", "grams", "copies", "layer", "losses", "embed"]),
         "run_block (masked block forward)": ("device", ["block", "masked", "forward", "io", "embed"]),
-        "row_losses of down_proj in the last block, with the stale weights": (
-            "device",
-            ["block", "masked", "grams", "copies", "layer", "losses", "embed", "stale"],
-        ),
         "last block done (all on the host)": (
             "host",
             ["model", "model_masked", "masks", "inputs", "outputs", "kwargs"],
@@ -540,9 +530,6 @@ def print_memory_plan(name: str, nsamples: int, seqlen: int, dtype: torch.dtype,
         for phase, size in sums.items():
             print(f"  {where:<6} {size / GB:>7.2f} GB  = {phase}")
         print(f"  {where:<6} {max(sums.values()) / GB:>7.2f} GB  = estimated peak ({where})")
-        if where == "device":
-            clean = max(size for phase, size in sums.items() if "stale" not in phases[phase][1])
-            print(f"  {where:<6} {clean / GB:>7.2f} GB  = estimated peak (device) once the stale weights are released")
 
 
 # ----------------------------------------------------------------------------------------------------------
