@@ -53,7 +53,12 @@ def parse_setting(text: str) -> dict[str, Any]:
         key, _, value = item.partition("=")
         if key not in _FIELD_TYPES:
             raise SystemExit(f"unknown PruneOptions field {key!r} in --extra {text!r}")
-        setting[key] = int(value) if key == "max_iters" else float(value) if key in ("damp", "eps") else value
+        if key == "max_iters":
+            setting[key] = int(value)
+        elif key in ("damp", "eps"):
+            setting[key] = float(value)
+        else:
+            setting[key] = None if value == "none" and key == "dsnot_skip" else value
     return setting
 
 
@@ -62,6 +67,8 @@ def label(setting: dict[str, Any]) -> str:
     refine = setting.get("refine", "sparseswaps")
     if refine != "none":
         parts.append(refine + (f" T={setting['max_iters']}" if refine == "sparseswaps" else ""))
+        if refine == "dsnot" and setting.get("dsnot_skip", "mlp") is None:
+            parts[-1] += " (all layers)"
         if setting.get("objective", "mask") != "mask":
             parts[-1] += f" ({setting['objective']} objective)"
     if setting.get("refit", "none") != "none":

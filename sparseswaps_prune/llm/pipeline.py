@@ -59,8 +59,9 @@ class PruneOptions:
         scope: budget, ``"row"`` (the same count in every row) or ``"layer"`` (one count per layer: the
             warmstart selects per layer and SparseSwaps also moves weights between rows).
         refine: ``"sparseswaps"`` (1-swap refinement, ``max_iters`` iterations), ``"dsnot"`` (DSnoT, max 50
-            cycles, update threshold 0.1, on every layer: the original skips MLP layers by default) or
-            ``"none"``.
+            cycles, update threshold 0.1) or ``"none"``.
+        dsnot_skip: DSnoT leaves layers whose name contains ``.<dsnot_skip>.`` at their warmstart mask; the
+            original's default is ``"mlp"`` (attention projections only); None refines every layer.
         refit: ``"none"`` (kept weights unchanged) or ``"ls"``: after the mask is final, every row's kept
             weights are re-fitted by exact least squares on the calibration Gram (``refit_weights``); the
             re-fitted weights land in ``weight_orig``; ``"cg"``: the same problem solved by batched conjugate
@@ -83,6 +84,7 @@ class PruneOptions:
     exclude: list[str] | None = None
     scope: str = "row"
     refine: str = "sparseswaps"
+    dsnot_skip: str | None = "mlp"
     refit: str = "none"
     damp: float = 0.01
     gram_dtype: str = "float32"
@@ -362,7 +364,7 @@ def _prune_layer(
                 loss_warm, loss_refined = row_losses(weight, acc.gram, keep), row_losses(weight, acc.gram, mask)
         else:
             mask, n_swaps, iters = keep, 0, 0
-            if options.refine == "dsnot":
+            if options.refine == "dsnot" and not (options.dsnot_skip and f".{options.dsnot_skip}." in layer.name):
                 mean, var, sq_mean = acc.feature_stats(n_samples=n_windows)
                 dsnot = dsnot_refine(
                     weight, keep, feature_mean=mean, feature_var=var, feature_sq_mean=sq_mean, nm=options.nm

@@ -144,7 +144,7 @@ def test_refit_and_holdout_losses(arch):
         {"warmstart": "sparsegpt", "scope": "layer", "refine": "none", "refit": "obs"},  # SparseGPT as published
         {"warmstart": "sparsegpt", "refine": "sparseswaps"},
         {"warmstart": "wanda", "refine": "dsnot"},
-        {"warmstart": "wanda", "refine": "dsnot", "nm": (2, 4), "sparsity": None},
+        {"warmstart": "wanda", "refine": "dsnot", "nm": (2, 4), "sparsity": None, "dsnot_skip": None},
         {"warmstart": "ria", "refine": "none", "refit": "cg"},
         {"warmstart": "wanda", "objective": "refit", "refit": "ls"},
         {"warmstart": "sparsegpt", "scope": "layer", "objective": "refit", "refit": "ls"},
@@ -166,6 +166,8 @@ def test_baselines_through_the_pipeline(setting):
             assert len(set(mask.sum(1).tolist())) == 1
         mask_objective = setting.get("refine") != "dsnot" and setting.get("objective") != "refit"
         assert r.loss_refined <= r.loss_warmstart * (1 + 1e-9) or not mask_objective
+        if setting.get("refine") == "dsnot" and ".mlp." in r.name and "dsnot_skip" not in setting:
+            assert r.n_swaps == 0 and torch.equal(mask, result.warmstart_masks[r.name])  # the original's default
         if setting.get("refit"):
             assert r.loss_refit < r.loss_refined
             layer = PrunableLayer(r.name, modules[r.name])
