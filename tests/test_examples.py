@@ -37,3 +37,15 @@ def test_lightning_prune(monkeypatch, capsys):
     run_example("lightning_prune.py", ["--steps", "3", "--calibration-batches", "1", "--seqlen", "16"], monkeypatch)
     out = capsys.readouterr().out
     assert "final MLP sparsity: 50.0%" in out and "LM loss: dense" in out
+
+
+def test_lightning_prune_finetune(monkeypatch, capsys):
+    args = ["--tiny", "--steps", "2", "--nsamples", "8", "--seqlen", "32", "--calibration-batches", "1"]
+    run_example(
+        "lightning_prune_finetune.py",
+        [*args, "--max-iters", "2", "--eval-windows", "2", "--batch-size", "2"],
+        monkeypatch,
+    )
+    out = capsys.readouterr().out
+    assert "final sparsity of the pruned layers: 50.00% (zeros exactly the pruning masks: True)" in out
+    assert "perplexity: dense" in out and "| fine-tuned" in out

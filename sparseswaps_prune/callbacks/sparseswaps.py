@@ -12,6 +12,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
 from torch import nn
 from torch.nn.utils import prune
 
@@ -170,7 +171,9 @@ class SparseSwapsPruning(pl.Callback):
         when: ``"fit_start"`` (in ``on_fit_start``, after the optimizers exist) or an epoch number (in
             ``on_train_epoch_start`` of the first epoch ``>= when``).
         make_permanent: at ``on_fit_end``, ``prune.remove`` the reparametrization (zeros written into plain
-            ``weight`` parameters).
+            ``weight`` parameters). Under spawn-based strategies (``ddp_spawn``, ``ddp_fork``) this is always
+            done at the end of fit in the worker processes, so that the module of the main process, into which
+            Lightning loads rank 0's weights non-strictly, gets the pruned weights.
 
     Calibration contract (one forward per batch, after moving it with ``pl_module.transfer_batch_to_device``):
     ``pl_module.calibration_step(batch)`` if the module defines it; else ``pl_module(batch)`` for a tensor,
@@ -264,6 +267,11 @@ class SparseSwapsPruning(pl.Callback):
         if self._load_hook is not None:
             self._load_hook.remove()
             self._load_hook = None
+        if stage == "fit" and isinstance(getattr(trainer.strategy, "launcher", None), _MultiProcessingLauncher):
+            # ddp_spawn / ddp_fork: after teardown Lightning sends rank 0's state dict to the main process and loads
+            # it into the (still dense) module there with strict=False, which would drop weight_orig / weight_mask
+            # and leave the initial weights in every pruned layer. Plain pruned weights load correctly.
+            self._make_permanent(pl_module)
 
     def on_load_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
@@ -285,8 +293,10 @@ class SparseSwapsPruning(pl.Callback):
             self.prune(trainer, pl_module)
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if not self.make_permanent:
-            return
+        if self.make_permanent:
+            self._make_permanent(pl_module)
+
+    def _make_permanent(self, pl_module: pl.LightningModule) -> None:
         for name in self._pruned_names:
             module = pl_module.get_submodule(name)
             if prune.is_pruned(module) and hasattr(module, "weight_mask"):

@@ -197,7 +197,7 @@ def test_sequential_mode_epoch_trigger_and_make_permanent(tmp_path):
         ({"sparsity": 0.5, "nm": (2, 4)}, ValueError),
         ({"nm": (5, 4)}, ValueError),
         ({"sparsity": 0.5, "mode": "global"}, ValueError),
-        ({"sparsity": 0.5, "warmstart": "sparsegpt"}, ValueError),
+        ({"sparsity": 0.5, "warmstart": "obs"}, ValueError),
         ({"sparsity": 0.5, "calibration_batches": 0}, ValueError),
         ({"sparsity": 0.5, "max_iters": 1.5}, TypeError),
         ({"sparsity": 0.5, "when": "epoch_end"}, ValueError),
