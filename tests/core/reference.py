@@ -14,32 +14,19 @@ def row_loss(w: torch.Tensor, gram: torch.Tensor, keep: torch.Tensor) -> float:
 
 def brute_best_swap(w, gram, keep, m: int | None = None):
     """(dL, u, p) of the best swap of one row by exhaustive search, ties to smallest u then p."""
-    base = row_loss(w, gram, keep)
-    best = (float("inf"), -1, -1)
-    d = w.numel()
-    for u in range(d):
-        if not keep[u]:
-            continue
-        for p in range(d):
-            if keep[p] or w[p] == 0 or (m is not None and u // m != p // m):
-                continue
-            trial = keep.clone()
-            trial[u], trial[p] = False, True
-            dl = row_loss(w, gram, trial) - base
-            if dl < best[0] - 1e-9 * max(1.0, abs(base)):
-                best = (dl, u, p)
-    return best
+    return brute_best_swap_of(row_loss, w, gram, keep, m)
 
 
-def brute_refine(w, gram, keep, max_iters: int, m: int | None = None):
-    """Per-row greedy best-improvement loop with the brute-force search; returns (mask, swaps list)."""
+def brute_refine(w, gram, keep, max_iters: int, m: int | None = None, loss=row_loss, floor=lambda w_row: 0.0):
+    """Per-row greedy best-improvement loop with the brute-force search under ``loss``, applying a swap while
+    its dL is below ``-floor(w_row)``; returns (mask, swaps list)."""
     keep = keep.clone()
     history = []
     for r in range(w.shape[0]):
         row_swaps = []
         for _ in range(max_iters):
-            dl, u, p = brute_best_swap(w[r], gram, keep[r], m)
-            if not dl < 0:
+            dl, u, p = brute_best_swap_of(loss, w[r], gram, keep[r], m)
+            if not dl < -floor(w[r]):
                 break
             keep[r, u], keep[r, p] = False, True
             row_swaps.append((u, p))
@@ -365,19 +352,9 @@ def brute_best_swap_of(loss, w, gram, keep, m: int | None = None):
 
 def brute_refine_refit(w, gram, keep, damp: float, max_iters: int, m: int | None = None):
     """Per-row greedy loop under the re-fit objective (accepts dL < -refit_floor); returns (mask, swaps list)."""
-    loss = row_objective("refit", damp)
-    keep = keep.clone()
-    history = []
-    for r in range(w.shape[0]):
-        row_swaps = []
-        for _ in range(max_iters):
-            dl, u, p = brute_best_swap_of(loss, w[r], gram, keep[r], m)
-            if not dl < -refit_floor(w[r], gram):
-                break
-            keep[r, u], keep[r, p] = False, True
-            row_swaps.append((u, p))
-        history.append(row_swaps)
-    return keep, history
+    return brute_refine(
+        w, gram, keep, max_iters, m, loss=row_objective("refit", damp), floor=lambda w_row: refit_floor(w_row, gram)
+    )
 
 
 def brute_row_moves(loss, w, gram, keep):
