@@ -50,6 +50,7 @@ def _prune(args: argparse.Namespace) -> int:
         objective=args.objective,
         refit=args.refit,
         damp=args.damp,
+        holdout_guard=args.holdout_guard,
     )
     config = JobConfig(
         model=args.model,
@@ -163,6 +164,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nsamples", type=int, default=16)
     p.add_argument("--seqlen", type=int, default=256)
     p.add_argument("--holdout", type=int, default=0, help="held-out calibration windows (layer losses on them)")
+    p.add_argument(
+        "--holdout-guard", action="store_true", help="keep a row's re-fit only if it lowers its held-out loss"
+    )
     p.add_argument("--eval", default="builtin", help="perplexity text: builtin | c4 | wikitext | PATH | none")
     p.add_argument("--eval-windows", type=int, default=32, help="at most this many eval windows")
     p.add_argument("--no-eval-warmstart", action="store_true", help="skip the warmstart model's perplexity")

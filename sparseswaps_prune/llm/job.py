@@ -83,6 +83,8 @@ class JobConfig:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if isinstance(self.holdout, bool) or not isinstance(self.holdout, int) or self.holdout < 0:
             raise ValueError(f"holdout must be an int >= 0, got {self.holdout!r}")
+        if self.prune.holdout_guard and not self.holdout:
+            raise ValueError("holdout_guard compares losses on held-out windows: set holdout > 0 (--holdout 8)")
         if self.dtype not in ("float32", "float16", "bfloat16"):
             raise ValueError(f"dtype must be float32, float16 or bfloat16, got {self.dtype!r}")
         if self.device.startswith("cuda") and not torch.cuda.is_available():

@@ -69,6 +69,9 @@ class PruneOptions:
             ``"obs"``: SparseGPT's OBS weight update on the final mask (``warmstart="sparsegpt"`` with
             ``scope="layer"``, ``refine="none"`` and ``refit="obs"`` is SparseGPT as published).
         damp: relative ridge dampening of the re-fit, ``lambda = damp * mean(diag G)``.
+        holdout_guard: with held-out windows, keep a row's re-fitted weights only where they lower that row's
+            loss on the held-out Gram compared with its kept weights as they are (re-fitting on few tokens can
+            overfit); the other rows keep their original kept weights.
         gram_dtype: ``"float32"`` or ``"float64"`` Gram accumulation.
         search_dtype: ``"float32"`` or ``"float64"`` swap search.
         blocks_path: dotted path of the decoder-block list when auto-detection fails.
@@ -87,6 +90,7 @@ class PruneOptions:
     dsnot_skip: str | None = "mlp"
     refit: str = "none"
     damp: float = 0.01
+    holdout_guard: bool = False
     gram_dtype: str = "float32"
     search_dtype: str = "float32"
     blocks_path: str | None = None
@@ -109,6 +113,8 @@ class PruneOptions:
             raise ValueError("objective='refit' chooses masks for re-fitted weights: also set refit='ls' (--refit ls)")
         if self.scope == "layer" and self.nm is not None:
             raise ValueError("scope='layer' has no meaning with nm (N:M fixes every block's count); use scope='row'")
+        if self.holdout_guard and self.refit == "none":
+            raise ValueError("holdout_guard decides which rows keep their re-fit: also set refit (e.g. refit='ls')")
         if not (isinstance(self.damp, (int, float)) and self.damp >= 0):
             raise ValueError(f"damp must be a number >= 0, got {self.damp!r}")
         for name in ("gram_dtype", "search_dtype"):
@@ -122,7 +128,8 @@ class LayerReport:
 
     ``loss_*`` are measured on the calibration Gram: ``loss_warmstart`` and ``loss_refined`` with the kept
     weights as they are (the mask-only loss), ``loss_refit`` with the re-fitted weights (None without
-    re-fit). ``holdout_*`` are the same losses on the held-out calibration Gram (None without one), scaled
+    re-fit; ``refit_rows`` is the fraction of rows whose re-fit was kept, below 1 only with
+    ``holdout_guard``). ``holdout_*`` are the same losses on the held-out calibration Gram (None without one), scaled
     by (calibration tokens / held-out tokens) so that both are sums over the same number of tokens.
     """
 
@@ -141,6 +148,7 @@ class LayerReport:
     holdout_warmstart: float | None = None
     holdout_refined: float | None = None
     holdout_refit: float | None = None
+    refit_rows: float | None = None
 
     @property
     def loss_final(self) -> float:
@@ -399,6 +407,13 @@ def _prune_layer(
         iters=iters,
         seconds=seconds,
     )
+    if refit is not None and holdout is not None and options.holdout_guard:
+        masked = torch.where(mask.cpu(), weight, 0.0)
+        better = weight_losses(weight, refit, holdout.gram) < weight_losses(weight, masked, holdout.gram)
+        refit = torch.where(better[:, None], refit, masked)
+        report.refit_rows = float(better.double().mean())
+    elif refit is not None:
+        report.refit_rows = 1.0
     if refit is not None:
         report.loss_refit = float(weight_losses(weight, refit, acc.gram).sum())
         report.seconds_refit = time.perf_counter() - start - seconds

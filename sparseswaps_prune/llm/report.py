@@ -31,6 +31,7 @@ CSV_FIELDS = (
     "holdout_warmstart",
     "holdout_refined",
     "holdout_refit",
+    "refit_rows",
 )
 
 
@@ -57,7 +58,7 @@ def totals(layers: Sequence[LayerReport]) -> dict[str, float | None]:
         "n_swaps": sum(layer.n_swaps for layer in layers),
         "seconds": sum(layer.seconds + layer.seconds_refit for layer in layers),
         "loss_final": sum(layer.loss_final for layer in layers),
-        **{name: _sum(layers, name) for name in CSV_FIELDS[-5:] if name != "seconds_refit"},
+        **{name: _sum(layers, name) for name in CSV_FIELDS[-6:-1] if name != "seconds_refit"},
     }
 
 

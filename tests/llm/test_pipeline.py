@@ -174,6 +174,18 @@ def test_baselines_through_the_pipeline(setting):
             assert not layer.weight_2d()[~mask].any()
 
 
+def test_holdout_guard_keeps_only_rows_whose_refit_generalises():
+    model = tiny_model("llama")
+    options = PruneOptions(max_iters=2, refit="ls", damp=0.0001, holdout_guard=True)
+    result = prune_model(model, calib(3), options, progress=False, holdout_tokens=calib(3, seed=1))
+    assert all(r.holdout_refit <= r.holdout_refined * (1 + 1e-9) for r in result.layers)
+    assert any(r.refit_rows < 1 for r in result.layers) and all(0 <= r.refit_rows <= 1 for r in result.layers)
+    with pytest.raises(ValueError, match="holdout"):
+        JobConfig(prune=PruneOptions(refit="ls", holdout_guard=True)).validate()
+    with pytest.raises(ValueError, match="refit"):
+        PruneOptions(holdout_guard=True).validate()
+
+
 def test_layer_without_calibration_tokens_is_named():
     model = tiny_model("llama")
     model.model.layers[0].self_attn.unused_proj = nn.Linear(64, 64)
