@@ -57,6 +57,8 @@ def parse_setting(text: str) -> dict[str, Any]:
             setting[key] = int(value)
         elif key in ("damp", "eps"):
             setting[key] = float(value)
+        elif key == "holdout_guard":
+            setting[key] = value.lower() in ("1", "true", "yes")
         else:
             setting[key] = None if value == "none" and key == "dsnot_skip" else value
     return setting
@@ -72,7 +74,7 @@ def label(setting: dict[str, Any]) -> str:
         if setting.get("objective", "mask") != "mask":
             parts[-1] += f" ({setting['objective']} objective)"
     if setting.get("refit", "none") != "none":
-        parts.append(f"refit {setting['refit']}")
+        parts.append(f"refit {setting['refit']}" + (" (held-out guard)" if setting.get("holdout_guard") else ""))
     return " + ".join(parts)
 
 
