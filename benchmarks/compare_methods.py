@@ -82,7 +82,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="directory for per-setting JSON rows (resumable)")
     parser.add_argument("--patterns", nargs="+", default=["50%", "60%", "70%", "2:4"])
-    parser.add_argument("--warmstarts", nargs="+", default=["magnitude", "wanda", "ria", "sparsegpt"])
+    parser.add_argument("--warmstarts", nargs="*", default=["magnitude", "wanda", "ria", "sparsegpt"])
     parser.add_argument("--refiners", nargs="*", default=["none", "dsnot", "sparseswaps"])
     parser.add_argument("--extra", nargs="*", default=[], help="extra settings, e.g. warmstart=sparsegpt,refit=obs")
     parser.add_argument("--max-iters", type=int, default=25)
