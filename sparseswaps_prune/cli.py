@@ -12,6 +12,7 @@ import argparse
 import json
 import logging
 import sys
+import tempfile
 from pathlib import Path
 
 from sparseswaps_prune.core.warmstart import WARMSTARTS
@@ -84,6 +85,7 @@ def _eval(args: argparse.Namespace) -> int:
     from sparseswaps_prune.llm.data import load_eval_tokens
     from sparseswaps_prune.llm.evaluate import PAPER_TASKS, perplexity, zero_shot
     from sparseswaps_prune.llm.models import load_model
+    from sparseswaps_prune.llm.tasks import write_builtin_cloze_task
 
     model, tokenizer = load_model(args.model, gguf_file=args.gguf_file)
     results: dict[str, object] = {}
@@ -93,8 +95,14 @@ def _eval(args: argparse.Namespace) -> int:
             model, tokens, args.seqlen, batch_size=args.batch_size, device=args.device, max_windows=args.eval_windows
         )
     if args.tasks:
-        tasks = PAPER_TASKS if args.tasks == ["paper"] else args.tasks
-        results["zero_shot"] = zero_shot(model, tokenizer, tasks, include_path=args.include_path, limit=args.limit)
+        tasks = PAPER_TASKS if args.tasks == ["paper"] else list(args.tasks)
+        include_path = args.include_path
+        if "builtin_cloze" in tasks:  # the offline task from the built-in corpus's evaluation part
+            if include_path is not None:
+                raise ValueError("builtin_cloze cannot be combined with --include-path; run them separately")
+            include_path = tempfile.mkdtemp(prefix="sparseswaps_tasks_")
+            tasks[tasks.index("builtin_cloze")] = write_builtin_cloze_task(include_path)
+        results["zero_shot"] = zero_shot(model, tokenizer, tasks, include_path=include_path, limit=args.limit)
     if not args.quiet:
         zeros = sum(int((p == 0).sum()) for n, p in model.named_parameters() if n.endswith("proj.weight"))
         total = sum(p.numel() for n, p in model.named_parameters() if n.endswith("proj.weight"))
@@ -185,7 +193,12 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--ppl", default="builtin", help="builtin | c4 | wikitext | PATH | none")
     e.add_argument("--seqlen", type=int, default=256)
     e.add_argument("--eval-windows", type=int, default=None)
-    e.add_argument("--tasks", nargs="+", default=None, help="lm-eval task names, or 'paper' for the paper's list")
+    e.add_argument(
+        "--tasks",
+        nargs="+",
+        default=None,
+        help="lm-eval task names, 'paper' (the paper's list) or builtin_cloze (offline)",
+    )
     e.add_argument("--include-path", default=None, help="directory of local lm-eval task YAMLs")
     e.add_argument("--limit", type=int, default=None, help="examples per task")
     e.add_argument("--device", default="cpu")

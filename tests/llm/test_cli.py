@@ -19,8 +19,10 @@ def test_prune_report_eval(saved_tiny, tmp_path, capsys):
     assert json.loads((out / "config_sparseswaps.json").read_text())["prune"]["nm"] == [2, 4]
     assert main(["report", str(out)]) == 0
     assert "perplexity: dense" in capsys.readouterr().out
-    assert main(["eval", "--model", str(out), "--seqlen", "32", "--eval-windows", "2"]) == 0
+    args = ["eval", "--model", str(out), "--seqlen", "32", "--eval-windows", "2", "--tasks", "builtin_cloze"]
+    assert main([*args, "--limit", "4"]) == 0
     result = json.loads(capsys.readouterr().out)
+    assert 0 <= result["zero_shot"]["sparseswaps_builtin_cloze"] <= 1
     assert result["perplexity"] > 1 and result["sparsity_of_proj_weights"] == pytest.approx(0.5, abs=0.01)
 
 
