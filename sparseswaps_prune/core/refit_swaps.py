@@ -374,12 +374,6 @@ def fitted_weights(state: RefitState, d: int) -> torch.Tensor:
     return out.scatter_add_(1, state.kept, torch.where(state.kept_ok, state.coef, 0.0))
 
 
-def fit_losses(w64: torch.Tensor, gram64: torch.Tensor, fitted: torch.Tensor) -> torch.Tensor:
-    """Undamped loss ``(w - v)^T G (w - v)`` per row, float64 ``[R]``."""
-    err = w64 - fitted
-    return ((err @ gram64) * err).sum(dim=1)
-
-
 def pivot_floor(gram64: torch.Tensor, lam: float) -> torch.Tensor:
     """``[d]`` smallest admissible pivot ``s`` when restoring each input, ``PIVOT_RTOL * (G_pp + lambda)``."""
     return PIVOT_RTOL * (torch.diagonal(gram64) + lam)

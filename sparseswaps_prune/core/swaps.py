@@ -23,7 +23,7 @@ from sparseswaps_prune.core import layer_moves
 from sparseswaps_prune.core import refit_swaps as rs
 from sparseswaps_prune.core.backends import best_swaps, resolve_backend
 from sparseswaps_prune.core.checks import check_budget, check_gram, check_mask, check_weight
-from sparseswaps_prune.core.losses import correlation, row_losses
+from sparseswaps_prune.core.losses import correlation, row_losses, weight_losses
 
 OBJECTIVES = ("mask", "refit")
 SCOPES = ("row", "layer")
@@ -64,6 +64,11 @@ class RefineResult:
         """``1 - sum(loss_after) / sum(loss_before)`` (0 when the input mask had no loss)."""
         before = float(self.loss_before.sum())
         return 0.0 if before <= 0 else 1.0 - float(self.loss_after.sum()) / before
+
+
+def _losses(weight: torch.Tensor, gram64: torch.Tensor, keep_mask: torch.Tensor) -> torch.Tensor:
+    """``row_losses`` on ``gram64``'s device, reusing the float64 Gram (no further d_in x d_in copy); CPU."""
+    return row_losses(weight.to(gram64.device), gram64, keep_mask.to(gram64.device)).cpu()
 
 
 def check_nm_mask(keep_mask: torch.Tensor, nm: tuple[int, int]) -> None:
@@ -194,8 +199,8 @@ def refine_mask(
         n_swaps[rows] = swaps.cpu()
     return RefineResult(
         mask=mask,
-        loss_before=row_losses(weight, gram, keep_mask).cpu(),
-        loss_after=row_losses(weight, gram, mask).cpu(),
+        loss_before=_losses(weight, gram64, keep_mask),
+        loss_after=_losses(weight, gram64, mask),
         n_swaps=n_swaps,
         iters=int(n_swaps.max()) if d_out else 0,
     )
@@ -309,15 +314,15 @@ def _refine_other(
     if objective == "mask":
         return RefineResult(
             mask=mask,
-            loss_before=row_losses(weight, gram, keep_mask).cpu(),
-            loss_after=row_losses(weight, gram, mask).cpu(),
+            loss_before=_losses(weight, gram64, keep_mask),
+            loss_after=_losses(weight, gram64, mask),
             n_swaps=n_swaps.cpu(),
             iters=iters,
         )
     return RefineResult(
         mask=mask,
-        loss_before=rs.fit_losses(w64, gram64, fitted_before).cpu(),
-        loss_after=rs.fit_losses(w64, gram64, fitted).cpu(),
+        loss_before=weight_losses(w64, fitted_before, gram64).cpu(),
+        loss_after=weight_losses(w64, fitted, gram64).cpu(),
         n_swaps=n_swaps.cpu(),
         iters=iters,
         weight=fitted.to(device=weight.device, dtype=weight.dtype),
