@@ -462,8 +462,8 @@ def memory_plan(
         ),
         "losses": (
             "device",
-            f"row_losses at the end of refine_mask: a float64 Gram copy + ~3 float64 [{wide_out}, {wide_in}]",
-            8 * d_max**2 + 3 * 8 * wide_out * wide_in,
+            f"row_losses at the end of refine_mask (on its float64 Gram): ~3 float64 [{wide_out}, {wide_in}]",
+            3 * 8 * wide_out * wide_in,
         ),
         "forward": (
             "device",
