@@ -368,8 +368,6 @@ def _prune_layer(
             )
             mask, loss_warm, loss_refined = refined.mask, refined.loss_before, refined.loss_after
             n_swaps, iters, searched_weight = int(refined.n_swaps.sum()), refined.iters, refined.weight
-            if options.objective == "refit":  # the report's loss_warmstart / loss_refined are mask-only losses
-                loss_warm, loss_refined = row_losses(weight, acc.gram, keep), row_losses(weight, acc.gram, mask)
         else:
             mask, n_swaps, iters = keep, 0, 0
             if options.refine == "dsnot" and not (options.dsnot_skip and f".{options.dsnot_skip}." in layer.name):
@@ -378,7 +376,10 @@ def _prune_layer(
                     weight, keep, feature_mean=mean, feature_var=var, feature_sq_mean=sq_mean, nm=options.nm
                 )
                 mask, n_swaps, iters = dsnot.mask, int(dsnot.n_updates.sum()), dsnot.n_cycles
-            loss_warm, loss_refined = row_losses(weight, acc.gram, keep), row_losses(weight, acc.gram, mask)
+        if options.refine != "sparseswaps" or options.objective == "refit":
+            # the report's loss_warmstart / loss_refined are mask-only losses
+            loss_warm = row_losses(weight, acc.gram, keep)
+            loss_refined = loss_warm if mask is keep else row_losses(weight, acc.gram, mask)
         seconds = time.perf_counter() - start
         refit = None
         if options.refit == "obs":
@@ -407,22 +408,23 @@ def _prune_layer(
         iters=iters,
         seconds=seconds,
     )
-    if refit is not None and holdout is not None and options.holdout_guard:
-        masked = torch.where(mask.cpu(), weight, 0.0)
-        better = weight_losses(weight, refit, holdout.gram) < weight_losses(weight, masked, holdout.gram)
-        refit = torch.where(better[:, None], refit, masked)
-        report.refit_rows = float(better.double().mean())
-    elif refit is not None:
-        report.refit_rows = 1.0
-    if refit is not None:
-        report.loss_refit = float(weight_losses(weight, refit, acc.gram).sum())
-        report.seconds_refit = time.perf_counter() - start - seconds
     if holdout is not None:
         scale = acc.n_tokens / holdout.n_tokens  # held-out sums on the calibration token count's scale
+        held_refined = row_losses(weight, holdout.gram, mask.cpu())
         report.holdout_warmstart = scale * float(row_losses(weight, holdout.gram, keep.cpu()).sum())
-        report.holdout_refined = scale * float(row_losses(weight, holdout.gram, mask.cpu()).sum())
+        report.holdout_refined = scale * float(held_refined.sum())
         if refit is not None:
-            report.holdout_refit = scale * float(weight_losses(weight, refit, holdout.gram).sum())
+            held_refit = weight_losses(weight, refit, holdout.gram)
+            if options.holdout_guard:
+                better = held_refit < held_refined
+                refit = torch.where(better[:, None], refit, torch.where(mask.cpu(), weight, 0.0))
+                held_refit = torch.where(better, held_refit, held_refined)
+                report.refit_rows = float(better.double().mean())
+            report.holdout_refit = scale * float(held_refit.sum())
+    if refit is not None:
+        report.refit_rows = 1.0 if report.refit_rows is None else report.refit_rows
+        report.loss_refit = float(weight_losses(weight, refit, acc.gram).sum())
+        report.seconds_refit = time.perf_counter() - start - seconds
     return report, refit
 
 
@@ -438,7 +440,8 @@ def _checkpoint(
     """Record block ``index`` as finished: its masks (and re-fitted weights), the next block's inputs, then
     the progress marker."""
     names = [layer.name for layer in layers]
-    refitted = {layer.name: layer.dense_weight_2d().cpu() for layer in layers if _is_refit(reports, layer)}
+    by_name = {layer.name: layer for layer in layers}
+    refitted = {r.name: by_name[r.name].dense_weight_2d().cpu() for r in reports if r.loss_refit is not None}
     save_torch(
         {
             "masks": {n: result.masks[n] for n in names},
@@ -452,10 +455,6 @@ def _checkpoint(
     for key, part in inputs.items():
         part.save(state / f"inputs_{key}.pt")
     save_json({"fingerprint": fingerprint, "next_block": index + 1, "inputs": sorted(inputs)}, state / "progress.json")
-
-
-def _is_refit(reports: list[LayerReport], layer: PrunableLayer) -> bool:
-    return any(r.name == layer.name and r.loss_refit is not None for r in reports)
 
 
 def _resume(
