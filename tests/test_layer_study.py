@@ -2,23 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 
 from sparseswaps_prune.core.gram import GramAccumulator
 
-SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "layer_study.py"
-
 
 @pytest.fixture(scope="module")
-def study():
-    spec = importlib.util.spec_from_file_location("layer_study_benchmark", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def study(benchmark_script):
+    return benchmark_script("layer_study")
 
 
 def _gram(x: torch.Tensor) -> GramAccumulator:
