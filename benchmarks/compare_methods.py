@@ -9,7 +9,10 @@ built-in corpus, zero-shot accuracy on the local ``builtin_cloze`` task, and tim
 
     python benchmarks/compare_methods.py --out /tmp/compare [--patterns 50% 60% 70% 2:4]
         [--warmstarts magnitude wanda ria sparsegpt] [--refiners none dsnot sparseswaps] [--max-iters 25]
-        [--extra "warmstart=sparsegpt,scope=layer,refine=none,refit=obs"]
+        [--extra "warmstart=sparsegpt,scope=layer,refine=none,refit=obs"] [--plot compare.png]
+
+Finished rows are read back without loading the model, so re-running with the same arguments prints the
+table (and draws the plot) at once.
 
 An ``--extra`` setting is a comma-separated list of ``PruneOptions`` fields (``warmstart``, ``refine``,
 ``refit``, ``objective``, ``scope``, ``max_iters``, ``damp``) applied on top of the pattern's defaults.
@@ -28,7 +31,7 @@ from typing import Any
 
 import torch
 
-from sparseswaps_prune.atomic import save_json
+from sparseswaps_prune.atomic import atomic_write, save_json
 from sparseswaps_prune.llm.data import load_calibration, load_eval_tokens
 from sparseswaps_prune.llm.experiment import Experiment
 from sparseswaps_prune.llm.models import load_model
@@ -78,6 +81,51 @@ def label(setting: dict[str, Any]) -> str:
     return " + ".join(parts)
 
 
+def plot(rows: dict[str, list[tuple[str, float]]], dense: float, path: Path) -> None:
+    """One horizontal bar panel per pattern: held-out perplexity of every method (log axis), dense as a line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    height = max(len(r) for r in rows.values())
+    fig, axes = plt.subplots(1, len(rows), figsize=(6 * len(rows), 0.35 * height + 1.5), squeeze=False)
+    for ax, (pattern, runs) in zip(axes[0], rows.items(), strict=True):
+        names, ppl = zip(*runs, strict=True)
+        ax.barh(range(len(runs)), ppl, color=["tab:orange" if "sparseswaps" in n else "tab:gray" for n in names])
+        for i, value in enumerate(ppl):
+            ax.text(value, i, f" {value:.1f}", va="center", fontsize=7)
+        ax.set_yticks(range(len(runs)), names, fontsize=8)
+        ax.invert_yaxis()
+        ax.axvline(dense, color="k", linestyle="--", label=f"dense {dense:.1f}")
+        ax.set(xscale="log", xlabel="held-out perplexity (log)", title=pattern)
+        ax.legend(fontsize=8)
+    fig.suptitle("SmolLM2-135M-Instruct, built-in corpus (lower is better)")
+    fig.tight_layout()
+    atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=110))
+    plt.close(fig)
+
+
+def build_experiment(args: argparse.Namespace) -> Experiment:
+    """The default model with the built-in calibration, held-out, evaluation and cloze data of ``args``."""
+    model, tokenizer = load_model()
+    windows = load_calibration("builtin", tokenizer, args.nsamples, args.seqlen, seed=0, holdout=args.holdout)
+    task_dir = tempfile.mkdtemp(prefix="sparseswaps_tasks_")
+    tasks = [write_builtin_cloze_task(task_dir, n_items=args.cloze_items)] if args.cloze_items else None
+    return Experiment(
+        model,
+        tokenizer,
+        windows[: args.nsamples],
+        holdout_tokens=windows[args.nsamples :] if args.holdout else None,
+        eval_tokens=load_eval_tokens("builtin", tokenizer),
+        seqlen=args.seqlen,
+        eval_windows=args.eval_windows,
+        tasks=tasks,
+        include_path=task_dir if tasks else None,
+        device=args.device,
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="directory for per-setting JSON rows (resumable)")
@@ -92,30 +140,23 @@ def main() -> None:
     parser.add_argument("--eval-windows", type=int, default=32)
     parser.add_argument("--cloze-items", type=int, default=100, help="builtin_cloze items (0: no zero-shot)")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--report-only", action="store_true", help="print (and plot) finished rows, run nothing")
+    parser.add_argument("--plot", default=None, help="PNG path: perplexity of every row, one panel per pattern")
     args = parser.parse_args()
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    model, tokenizer = load_model()
-    windows = load_calibration("builtin", tokenizer, args.nsamples, args.seqlen, seed=0, holdout=args.holdout)
-    task_dir = tempfile.mkdtemp(prefix="sparseswaps_tasks_")
-    tasks = [write_builtin_cloze_task(task_dir, n_items=args.cloze_items)] if args.cloze_items else None
-    exp = Experiment(
-        model,
-        tokenizer,
-        windows[: args.nsamples],
-        holdout_tokens=windows[args.nsamples :] if args.holdout else None,
-        eval_tokens=load_eval_tokens("builtin", tokenizer),
-        seqlen=args.seqlen,
-        eval_windows=args.eval_windows,
-        tasks=tasks,
-        include_path=task_dir if tasks else None,
-        device=args.device,
-    )
+    experiment: list[Experiment] = []  # built on first use: printing finished rows needs no model
+
+    def exp() -> Experiment:
+        if not experiment:
+            experiment.append(build_experiment(args))
+        return experiment[0]
+
     print(f"machine: {platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}")
     dense_file = out / "dense.json"
     if not dense_file.exists():
-        save_json(exp.evaluate(), dense_file)
+        save_json(exp().evaluate(), dense_file)
     dense = json.loads(dense_file.read_text())
     print(f"dense: perplexity {dense['perplexity']:.3f}, zero-shot {dense['zero_shot']}")
     print("| pattern | method | layer loss (calib) | layer loss (held-out) | ppl | zero-shot acc | prune s |")
@@ -125,13 +166,16 @@ def main() -> None:
         for w in args.warmstarts
         for r in args.refiners
     ] + [{"warmstart": "wanda", "max_iters": args.max_iters, **parse_setting(text)} for text in args.extra]
+    plotted: dict[str, list[tuple[str, float]]] = {}
     for pattern in args.patterns:
         for setting in settings:
             name = f"{pattern.replace(':', 'of').rstrip('%')}__{label(setting)}".replace(" ", "_").replace("/", "-")
             path = out / f"{name}.json"
             if not path.exists():
+                if args.report_only:
+                    continue
                 start = time.perf_counter()
-                row = exp.run(PruneOptions(**pattern_options(pattern), **setting))
+                row = exp().run(PruneOptions(**pattern_options(pattern), **setting))
                 row["seconds_wall"] = time.perf_counter() - start
                 save_json(row, path)
             row = json.loads(path.read_text())
@@ -143,6 +187,9 @@ def main() -> None:
                 f"{accuracy} | {row['seconds_prune']:.0f} |",
                 flush=True,
             )
+            plotted.setdefault(pattern, []).append((label(setting), row["perplexity"]))
+    if args.plot:
+        plot(plotted, dense["perplexity"], Path(args.plot))
 
 
 if __name__ == "__main__":
