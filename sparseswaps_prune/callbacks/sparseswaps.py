@@ -18,6 +18,7 @@ from torch.nn.utils import prune
 
 from sparseswaps_prune.core.checks import check_budget
 from sparseswaps_prune.core.gram import GramAccumulator
+from sparseswaps_prune.core.losses import weight_losses
 from sparseswaps_prune.core.warmstart import WARMSTARTS
 from sparseswaps_prune.llm.layers import PrunableLayer, _check_patterns, find_layers, input_hooks
 from sparseswaps_prune.llm.pipeline import apply_mask
@@ -36,8 +37,10 @@ class LayerStats:
 
     Attributes:
         name: qualified module name inside the LightningModule.
-        loss_before: summed layer loss ``sum_i r_i^T G r_i`` of the warmstart mask.
-        loss_after: the same for the refined mask (never larger).
+        loss_before: summed layer loss ``sum_i r_i^T G r_i`` of the warmstart mask (with ``objective="refit"``:
+            of its re-fitted weights).
+        loss_after: the same for the refined mask (never larger); with ``refit="ls"`` the loss of the
+            re-fitted weights ``sum_i (w_i - v_i)^T G (w_i - v_i)``.
         swaps: total number of 1-swaps applied.
         sparsity: fraction of the layer's weights that are zero in the mask.
         n_tokens: calibration tokens in the layer's Gram (summed over all ranks under DDP).
@@ -170,6 +173,14 @@ class SparseSwapsPruning(pl.Callback):
             It costs one calibration pass per layer (``n_layers * calibration_batches`` forwards).
         when: ``"fit_start"`` (in ``on_fit_start``, after the optimizers exist) or an epoch number (in
             ``on_train_epoch_start`` of the first epoch ``>= when``).
+        scope: ``"row"`` (each row keeps its count) or ``"layer"`` (only each layer's count; refinement also
+            moves weights between rows).
+        refit: ``"none"`` or ``"ls"``: after a layer's mask is final, re-fit its kept weights by exact per-row
+            least squares on the layer's Gram (ridge ``damp``); the re-fitted weights land in ``weight_orig``
+            (so the masked ``weight`` is ``re-fitted * mask``), and training continues from them.
+        objective: ``"mask"`` (swaps judged with the weights as they are) or ``"refit"`` (judged by the loss
+            after re-fitting; needs ``refit="ls"``).
+        damp: relative ridge dampening of the re-fit, ``lambda = damp * mean(diag G)``.
         make_permanent: at ``on_fit_end``, ``prune.remove`` the reparametrization (zeros written into plain
             ``weight`` parameters). Under spawn-based strategies (``ddp_spawn``, ``ddp_fork``) this is always
             done at the end of fit in the worker processes, so that the module of the main process, into which
@@ -207,6 +218,10 @@ class SparseSwapsPruning(pl.Callback):
         mode: str = "one_shot",
         when: str | int = "fit_start",
         make_permanent: bool = False,
+        scope: str = "row",
+        refit: str = "none",
+        objective: str = "mask",
+        damp: float = 0.01,
     ) -> None:
         if sparsity is None and nm is None:
             raise ValueError("give sparsity= (e.g. 0.6) or nm= (e.g. (2, 4))")
@@ -227,6 +242,17 @@ class SparseSwapsPruning(pl.Callback):
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
         if isinstance(when, bool) or not (when == "fit_start" or (isinstance(when, int) and when >= 0)):
             raise ValueError(f"when must be 'fit_start' or an epoch number >= 0, got {when!r}")
+        for arg, value, choices in (
+            ("scope", scope, ("row", "layer")),
+            ("refit", refit, ("none", "ls")),
+            ("objective", objective, ("mask", "refit")),
+        ):
+            if value not in choices:
+                raise ValueError(f"{arg} must be one of {', '.join(choices)}, got {value!r}")
+        if objective == "refit" and refit == "none":
+            raise ValueError("objective='refit' chooses masks for re-fitted weights: also pass refit='ls'")
+        if isinstance(damp, bool) or not isinstance(damp, (int, float)) or not damp >= 0:
+            raise ValueError(f"damp must be a number >= 0, got {damp!r}")
         if not isinstance(make_permanent, bool):
             raise TypeError(f"make_permanent must be a bool, got {make_permanent!r}")
         if calibration_dataloader is not None and not isinstance(calibration_dataloader, Iterable):
@@ -237,6 +263,7 @@ class SparseSwapsPruning(pl.Callback):
         self.exclude = _check_patterns(exclude, "exclude")
         self.calibration_dataloader = calibration_dataloader
         self.mode, self.when, self.make_permanent = mode, when, make_permanent
+        self.scope, self.refit, self.objective, self.damp = scope, refit, objective, float(damp)
         self.pruned = False
         self.stats: dict[str, LayerStats] = {}
         self._pruned_names: list[str] = []
@@ -390,17 +417,19 @@ class SparseSwapsPruning(pl.Callback):
         else:
             existing = existing.bool().t() if layer.is_transposed else existing.bool()
         method = SparseSwapsMethod(
-            self.sparsity, grams=[acc.gram], shapes=[tuple(weight.shape)], warmstart=self.warmstart,
-            nm=self.nm, max_iters=self.max_iters,
+            self.sparsity, grams=[acc.gram], tensors=[(module, "weight")], warmstart=self.warmstart, nm=self.nm,
+            max_iters=self.max_iters, scope=self.scope, refit=self.refit, damp=self.damp, objective=self.objective,
         )  # fmt: skip
-        mask = method.layer_mask(weight, existing, acc.gram.to(weight.device), layer.name)
+        gram = acc.gram.to(weight.device)
+        mask = method.layer_mask(weight, existing, gram, layer.name)  # with refit="ls" also the re-fitted weights
         result = method.results[-1]
+        loss_after = result.loss_after if result.weight is None else weight_losses(weight, result.weight, gram)
         with _same_param_slot(module, "weight", "weight_orig"):
-            apply_mask(layer, mask)
+            apply_mask(layer, mask, result.weight)
         self.stats[layer.name] = LayerStats(
             name=layer.name,
             loss_before=float(result.loss_before.sum()),
-            loss_after=float(result.loss_after.sum()),
+            loss_after=float(loss_after.sum()),
             swaps=int(result.n_swaps.sum()),
             sparsity=1.0 - float(mask.float().mean()),
             n_tokens=acc.n_tokens,

@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from sparseswaps_prune.callbacks import SparseSwapsPruning, all_reduce_grams, restore_masks
 from sparseswaps_prune.core.gram import GramAccumulator
+from sparseswaps_prune.core.refit import refit_weights
 from sparseswaps_prune.prune import SparseSwapsMethod
 
 
@@ -91,7 +92,8 @@ class Snapshot(pl.Callback):
                 self.origs[name] = m.weight_orig.detach().clone()
 
     def on_train_epoch_end(self, trainer, pl_module):
-        self.pruned_at_epoch_end.append(hasattr(pl_module.net[0], "weight_mask"))
+        if hasattr(pl_module, "net"):
+            self.pruned_at_epoch_end.append(hasattr(pl_module.net[0], "weight_mask"))
 
 
 def only_prune_hooks(module: nn.Module) -> bool:
@@ -123,6 +125,25 @@ def test_prunes_at_fit_start_and_zeros_stay_zero(tmp_path):
     )
     assert only_prune_hooks(model)
     assert [n for n, _ in model.net[0].named_parameters()] == ["weight_orig", "bias"]  # weight keeps its slot
+
+
+@pytest.mark.parametrize("objective", ["mask", "refit"])
+def test_refit_writes_least_squares_weights_into_weight_orig(tmp_path, objective):
+    cb = SparseSwapsPruning(sparsity=0.5, max_iters=5, calibration_batches=2, refit="ls", objective=objective)
+    plain = SparseSwapsPruning(sparsity=0.5, max_iters=5, calibration_batches=2)
+    model, snap = MLP(), Snapshot()
+    dense = model.net[0].weight.detach().clone()
+    make_trainer(tmp_path, cb, snap, max_epochs=1).fit(model)
+    make_trainer(tmp_path, plain, max_epochs=1).fit(MLP())
+    x = model.x[:32]  # the two calibration batches of 16
+    mask = snap.masks["net.0"].bool()
+    expected = refit_weights(dense, x.T @ x, mask, damp=0.01)
+    torch.testing.assert_close(snap.origs["net.0"], expected, rtol=1e-4, atol=1e-5)
+    assert bool((snap.origs["net.0"][~mask] == 0).all())
+    for name in ("net.0", "net.2"):  # a re-fit never has a higher loss than the same search without it
+        assert cb.stats[name].loss_after < cb.stats[name].loss_before
+        if objective == "mask":
+            assert cb.stats[name].loss_after < plain.stats[name].loss_after
 
 
 def test_validate_and_test_before_and_after_pruning(tmp_path):
@@ -205,6 +226,10 @@ def test_sequential_mode_epoch_trigger_and_make_permanent(tmp_path):
         ({"sparsity": 0.5, "include": "*mlp*"}, TypeError),
         ({"sparsity": 0.5, "make_permanent": 1}, TypeError),
         ({"sparsity": 0.5, "calibration_dataloader": 3}, TypeError),
+        ({"sparsity": 0.5, "refit": "obs"}, ValueError),
+        ({"sparsity": 0.5, "objective": "refit"}, ValueError),
+        ({"sparsity": 0.5, "refit": "ls", "damp": -1.0}, ValueError),
+        ({"sparsity": 0.5, "scope": "global"}, ValueError),
     ],
 )
 def test_bad_arguments_raise_at_construction(kwargs, error):
@@ -293,6 +318,17 @@ class TinyGPT2(TinyLM):
 
         self.model = tiny_model("gpt2").train()
         self.ids = torch.randint(0, 1000, (8, 16), generator=torch.Generator().manual_seed(0))
+
+
+def test_gpt2_conv1d_refit_lands_in_the_parameter_layout(tmp_path):
+    lm = TinyGPT2()
+    cb = SparseSwapsPruning(sparsity=0.5, include=["*.h.0.mlp.c_fc"], max_iters=3, calibration_batches=1, refit="ls")
+    snap = Snapshot()
+    make_trainer(tmp_path, cb, snap, max_epochs=1, max_steps=1).fit(lm)
+    (name,) = snap.origs
+    orig, mask = snap.origs[name], snap.masks[name].bool()  # Conv1D layout [d_in, d_out]
+    assert orig.shape == mask.shape and bool((orig[~mask] == 0).all()) and bool((orig[mask] != 0).any())
+    assert cb.stats[name].loss_after < cb.stats[name].loss_before
 
 
 def test_gpt2_conv1d_layers_and_restore_masks(tmp_path):
