@@ -16,7 +16,11 @@ def test_prune_report_eval(saved_tiny, tmp_path, capsys):
     assert main(args) == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["totals"]["loss_refined"] <= summary["totals"]["loss_warmstart"]
-    assert json.loads((out / "config_sparseswaps.json").read_text())["prune"]["nm"] == [2, 4]
+    config = json.loads((out / "config_sparseswaps.json").read_text())
+    assert config["prune"]["nm"] == [2, 4]
+    # the main job's defaults: swaps, then a re-fit guarded by 8 held-out windows
+    assert config["prune"]["refit"] == "ls" and config["prune"]["holdout_guard"] and config["holdout"] == 8
+    assert summary["totals"]["loss_refit"] <= summary["totals"]["loss_refined"]
     assert main(["report", str(out)]) == 0
     assert "perplexity: dense" in capsys.readouterr().out
     args = ["eval", "--model", str(out), "--seqlen", "32", "--eval-windows", "2", "--tasks", "builtin_cloze"]
@@ -35,6 +39,19 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
         main(["prune", "--nm", "2-4", "--out", str(tmp_path / "y")])
 
 
+def test_refit_none_is_the_papers_method_without_held_out_windows(saved_tiny, tmp_path, capsys):
+    out = tmp_path / "paper"
+    args = ["prune", "--model", str(saved_tiny), "--nsamples", "2", "--seqlen", "32", "--eval-windows", "2",
+            "--max-iters", "2", "--refit", "none", "--out", str(out), "--json-log"]  # fmt: skip
+    assert main(args) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["totals"]["loss_refit"] is None and summary["totals"]["holdout_refined"] is None
+    config = json.loads((out / "config_sparseswaps.json").read_text())
+    assert config["holdout"] == 0 and not config["prune"]["holdout_guard"]
+    assert main([*args[:-3], "--holdout-guard", "--out", str(tmp_path / "bad")]) == 2  # guard without a re-fit
+    assert "holdout_guard" in capsys.readouterr().err
+
+
 def test_prune_with_refit_and_holdout(saved_tiny, tmp_path, capsys):
     out = tmp_path / "refit"
     args = ["prune", "--model", str(saved_tiny), "--nsamples", "3", "--holdout", "2", "--refit", "ls",
@@ -50,13 +67,19 @@ def test_prune_with_refit_and_holdout(saved_tiny, tmp_path, capsys):
 
 @pytest.mark.parametrize(
     "flags",
-    [["--warmstart", "sparsegpt", "--scope", "layer", "--refine", "none", "--refit", "obs"], ["--refine", "dsnot"]],
+    [
+        ["--warmstart", "sparsegpt", "--scope", "layer", "--refine", "none", "--refit", "obs"],
+        ["--refine", "dsnot", "--refit", "none"],
+        ["--refine", "none", "--no-holdout-guard"],
+    ],
 )
 def test_prune_baselines_from_the_cli(saved_tiny, tmp_path, capsys, flags):
     out = tmp_path / "baseline"
     args = ["prune", "--model", str(saved_tiny), "--nsamples", "2", "--seqlen", "32", "--eval-windows", "2",
             "--out", str(out), "--quiet", *flags]  # fmt: skip
     assert main(args) == 0
-    config = json.loads((out / "config_sparseswaps.json").read_text())["prune"]
-    assert config["refine"] == flags[flags.index("--refine") + 1]
+    config = json.loads((out / "config_sparseswaps.json").read_text())
+    assert config["prune"]["refine"] == flags[flags.index("--refine") + 1]
+    if "obs" in flags:  # SparseGPT as published: no held-out windows, no guard unless asked for
+        assert config["prune"]["refit"] == "obs" and not config["prune"]["holdout_guard"] and config["holdout"] == 0
     assert json.loads((out / "report.json").read_text())["perplexity"]["refined"] > 1
