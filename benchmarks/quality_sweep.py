@@ -8,6 +8,9 @@ T = 0 is the warmstart alone. Rows are saved as JSON in ``--out`` as they finish
 continues), and ``--plot`` draws reduction and perplexity against T like the paper's ablation figure.
 
     python benchmarks/quality_sweep.py --out /tmp/sweep [--iters 0 1 2 5 10 25 50 100] [--patterns 60% 2:4]
+        [--plot sweep.png] [--report-only]
+
+A large ``--iters`` value (e.g. 1000) runs until no row has an improving swap ("until converged").
 """
 
 from __future__ import annotations
@@ -59,21 +62,27 @@ def main() -> None:
     parser.add_argument("--seqlen", type=int, default=256)
     parser.add_argument("--eval-windows", type=int, default=32)
     parser.add_argument("--plot", default=None, help="PNG path for the reduction / perplexity plot")
+    parser.add_argument("--report-only", action="store_true", help="print (and plot) finished rows, run nothing")
     args = parser.parse_args()
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    model, tokenizer = load_model()
-    exp = Experiment(
-        model,
-        tokenizer,
-        load_calibration("builtin", tokenizer, args.nsamples, args.seqlen, seed=0),
-        eval_tokens=load_eval_tokens("builtin", tokenizer),
-        seqlen=args.seqlen,
-        eval_windows=args.eval_windows,
-    )
+    experiment: list[Experiment] = []  # built on first use: printing finished rows needs no model
+
+    def exp() -> Experiment:
+        if not experiment:
+            model, tokenizer = load_model()
+            calib = load_calibration("builtin", tokenizer, args.nsamples, args.seqlen, seed=0)
+            eval_tokens = load_eval_tokens("builtin", tokenizer)
+            experiment.append(
+                Experiment(
+                    model, tokenizer, calib, eval_tokens=eval_tokens, seqlen=args.seqlen, eval_windows=args.eval_windows
+                )
+            )
+        return experiment[0]
+
     print(f"machine: {platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}")
-    print("| pattern | T | summed loss | reduction | mean layer reduction | ppl | swaps | prune s |")
+    print("| pattern | T | summed loss | reduction | mean layer reduction | ppl | swaps | pruning s |")
     print("|---|---|---|---|---|---|---|---|")
     rows: dict[str, list[dict]] = {}
     for pattern in args.patterns:
@@ -82,16 +91,21 @@ def main() -> None:
         for iters in args.iters:
             path = out / f"{pattern.replace(':', 'of').rstrip('%')}_T{iters}.json"
             if not path.exists():
+                if args.report_only:
+                    continue
                 start = time.perf_counter()
-                row = exp.run(PruneOptions(warmstart=args.warmstart, sparsity=sparsity, nm=nm, max_iters=iters))
+                row = exp().run(PruneOptions(warmstart=args.warmstart, sparsity=sparsity, nm=nm, max_iters=iters))
                 save_json({**row, "iters": iters, "seconds_wall": time.perf_counter() - start}, path)
             row = json.loads(path.read_text())
+            if isinstance(row["perplexity"], dict):  # rows written by run_job before the Experiment harness
+                row["perplexity"] = row["perplexity"]["refined"]
+            row["iters"] = iters
             rows.setdefault(pattern, []).append(row)
             t = row["totals"]
             print(
                 f"| {pattern} | {iters} | {t['loss_refined']:.4g} | {t['reduction']:.1%} | "
                 f"{t['mean_layer_reduction']:.1%} | {row['perplexity']:.2f} | {t['n_swaps']} | "
-                f"{row['seconds_prune']:.0f} |",
+                f"{t['seconds']:.0f} |",
                 flush=True,
             )
     if args.plot:
