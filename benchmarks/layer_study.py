@@ -12,6 +12,7 @@ without bias), every method is fitted on the small and on the large Gram:
 * ``wanda + refit (damp d)``: exact per-row least squares on the Wanda mask, for every ``--damps`` value;
 * ``swaps T=t``: SparseSwaps (mask objective) from Wanda, and ``swaps T=t + refit``;
 * ``refit-objective T=t``: swaps judged by the loss after re-fitting (``refine_mask(objective="refit")``);
+  both re-fit with ``--refit-damp``;
 * ``sparsegpt``: SparseGPT as published (per-layer selection, OBS updates) on the whole layer, scored on the
   same rows (its rows keep unequal counts).
 
@@ -21,6 +22,7 @@ time. The JSON of every (pattern, calibration size) group is written to ``--out`
 
     python benchmarks/layer_study.py --out /tmp/layer_study [--blocks 0 10 20 29] [--rows 64]
         [--patterns 60% 2:4] [--small 16] [--large 64] [--holdout 16] [--iters 5 25] [--damps 0.001 0.01 0.1]
+        [--refit-damp 0.01]
 """
 
 from __future__ import annotations
@@ -81,6 +83,7 @@ def study_layer(
     pattern: dict,
     iters: list[int],
     damps: list[float],
+    refit_damp: float = 0.01,
 ) -> dict[str, dict[str, float]]:
     """``{method: {"fit", "holdout", "seconds"}}`` for one layer: per-token losses summed over ``rows``."""
     gram, gram_held = fit.gram, held.gram
@@ -106,10 +109,12 @@ def study_layer(
         mask = refine_mask(sub, gram, keep, max_iters=t, nm=pattern["nm"]).mask
         seconds = time.perf_counter() - start
         score(f"swaps T={t}", lambda mask=mask: torch.where(mask, sub, 0.0), seconds)
-        score(f"swaps T={t} + refit", lambda mask=mask: refit_weights(sub, gram, mask), seconds)
+        score(f"swaps T={t} + refit", lambda mask=mask: refit_weights(sub, gram, mask, damp=refit_damp), seconds)
         score(
             f"refit-objective T={t}",
-            lambda t=t: refine_mask(sub, gram, keep, max_iters=t, nm=pattern["nm"], objective="refit").weight,
+            lambda t=t: (
+                refine_mask(sub, gram, keep, max_iters=t, nm=pattern["nm"], objective="refit", damp=refit_damp).weight
+            ),
         )
     score(
         "sparsegpt (published)",
@@ -130,6 +135,7 @@ def main() -> None:
     parser.add_argument("--seqlen", type=int, default=256)
     parser.add_argument("--iters", type=int, nargs="+", default=[5, 25])
     parser.add_argument("--damps", type=float, nargs="+", default=[0.001, 0.01, 0.1])
+    parser.add_argument("--refit-damp", type=float, default=0.01, help="damping of the swaps + re-fit rows")
     args = parser.parse_args()
     if not 0 < args.small <= args.large:
         raise SystemExit("--small must be in [1, --large]")
@@ -149,7 +155,14 @@ def main() -> None:
                 for name, weight in weights.items():
                     rows = torch.linspace(0, weight.shape[0] - 1, min(args.rows, weight.shape[0])).round().long()
                     group[name] = study_layer(
-                        weight, grams[name][size], grams[name]["holdout"], rows, pattern, args.iters, args.damps
+                        weight,
+                        grams[name][size],
+                        grams[name]["holdout"],
+                        rows,
+                        pattern,
+                        args.iters,
+                        args.damps,
+                        args.refit_damp,
                     )
                     print(f"  {pattern_text} {size}: {name} done", flush=True)
                 save_json(group, path)
