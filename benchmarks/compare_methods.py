@@ -39,6 +39,8 @@ from sparseswaps_prune.llm.pipeline import PruneOptions
 from sparseswaps_prune.llm.tasks import write_builtin_cloze_task
 
 _FIELD_TYPES = {f.name: f.type for f in fields(PruneOptions)}
+# Rows re-fitted with damp 0.01 (the re-fit default before 2026-11-23, and SparseGPT's) carry no damp in their label.
+LEGACY_DAMP = 0.01
 
 
 def pattern_options(pattern: str) -> dict[str, Any]:
@@ -77,7 +79,12 @@ def label(setting: dict[str, Any]) -> str:
         if setting.get("objective", "mask") != "mask":
             parts[-1] += f" ({setting['objective']} objective)"
     if setting.get("refit", "none") != "none":
-        parts.append(f"refit {setting['refit']}" + (" (held-out guard)" if setting.get("holdout_guard") else ""))
+        damp = PruneOptions(refit=setting["refit"], damp=setting.get("damp")).resolved_damp
+        parts.append(
+            f"refit {setting['refit']}"
+            + (f" damp {damp:g}" if damp != LEGACY_DAMP else "")
+            + (" (held-out guard)" if setting.get("holdout_guard") else "")
+        )
     return " + ".join(parts)
 
 

@@ -176,7 +176,12 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["mask", "refit"],
         help="swap objective: kept weights as is, or re-fitted",
     )
-    p.add_argument("--damp", type=float, default=0.01, help="relative ridge dampening of the re-fit")
+    p.add_argument(
+        "--damp",
+        type=float,
+        default=None,
+        help="relative dampening of the re-fit (default 1e-3; 0.01 with --refit obs, SparseGPT's)",
+    )
     p.add_argument("--include", nargs="+", default=None, help="fnmatch patterns of layer names to prune")
     p.add_argument("--exclude", nargs="+", default=None, help="fnmatch patterns of layer names to skip")
     p.add_argument("--calib", default="builtin", help="builtin | c4 | wikitext | PATH")

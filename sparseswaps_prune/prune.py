@@ -15,7 +15,7 @@ from torch import nn
 from torch.nn.utils import prune
 
 from sparseswaps_prune.core.checks import check_budget, check_gram, check_weight
-from sparseswaps_prune.core.refit import refit_weights
+from sparseswaps_prune.core.refit import REFIT_DAMP, refit_weights
 from sparseswaps_prune.core.swaps import RefineResult, refine_mask
 from sparseswaps_prune.core.warmstart import WARMSTARTS, importance_scores, keep_top, warmstart_mask
 
@@ -67,7 +67,7 @@ class SparseSwapsMethod(prune.BasePruningMethod):
         max_iters: int = 100,
         scope: str = "row",
         refit: str = "none",
-        damp: float = 0.01,
+        damp: float = REFIT_DAMP,
         **refine_kwargs,
     ) -> None:
         if warmstart not in WARMSTARTS:

@@ -19,6 +19,7 @@ from torch.nn.utils import prune
 from sparseswaps_prune.core.checks import check_budget
 from sparseswaps_prune.core.gram import GramAccumulator
 from sparseswaps_prune.core.losses import weight_losses
+from sparseswaps_prune.core.refit import REFIT_DAMP
 from sparseswaps_prune.core.warmstart import WARMSTARTS
 from sparseswaps_prune.llm.layers import PrunableLayer, _check_patterns, find_layers, input_hooks
 from sparseswaps_prune.llm.pipeline import apply_mask
@@ -180,7 +181,8 @@ class SparseSwapsPruning(pl.Callback):
             (so the masked ``weight`` is ``re-fitted * mask``), and training continues from them.
         objective: ``"mask"`` (swaps judged with the weights as they are) or ``"refit"`` (judged by the loss
             after re-fitting; needs ``refit="ls"``).
-        damp: relative ridge dampening of the re-fit, ``lambda = damp * mean(diag G)``.
+        damp: relative ridge dampening of the re-fit, ``lambda = damp * mean(diag G)`` (default ``REFIT_DAMP``,
+            1e-3).
         make_permanent: at ``on_fit_end``, ``prune.remove`` the reparametrization (zeros written into plain
             ``weight`` parameters). Under spawn-based strategies (``ddp_spawn``, ``ddp_fork``) this is always
             done at the end of fit in the worker processes, so that the module of the main process, into which
@@ -221,7 +223,7 @@ class SparseSwapsPruning(pl.Callback):
         scope: str = "row",
         refit: str = "none",
         objective: str = "mask",
-        damp: float = 0.01,
+        damp: float = REFIT_DAMP,
     ) -> None:
         if sparsity is None and nm is None:
             raise ValueError("give sparsity= (e.g. 0.6) or nm= (e.g. (2, 4))")

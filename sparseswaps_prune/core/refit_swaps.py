@@ -35,6 +35,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from sparseswaps_prune.core.checks import check_gram, check_mask, check_weight
+from sparseswaps_prune.core.refit import REFIT_DAMP
 
 # Elements of the [rows, k, d_in - k] state Z per row batch when the caller gives no row_batch (128 MiB float64).
 REFIT_ELEMENTS = 1 << 24
@@ -381,7 +382,7 @@ def pivot_floor(gram64: torch.Tensor, lam: float) -> torch.Tensor:
 
 
 def refit_objective(
-    weight: torch.Tensor, gram: torch.Tensor, keep_mask: torch.Tensor, *, damp: float = 0.01
+    weight: torch.Tensor, gram: torch.Tensor, keep_mask: torch.Tensor, *, damp: float = REFIT_DAMP
 ) -> torch.Tensor:
     """Per-row damped re-fit objective ``F(S) = w^T G w - b_S^T (G_SS + lambda I)^{-1} b_S``, from scratch.
 

@@ -21,6 +21,9 @@ import torch
 from sparseswaps_prune.core.checks import check_budget, check_gram, check_mask, check_weight
 from sparseswaps_prune.core.warmstart import keep_top
 
+# SparseGPT's dampening: damp * mean(diag H) is added to the Hessian's diagonal (the original's percdamp).
+SPARSEGPT_DAMP = 0.01
+
 
 @dataclass
 class SparseGPTResult:
@@ -45,7 +48,7 @@ def sparsegpt_prune(
     nm: tuple[int, int] | None = None,
     scope: Literal["layer", "row"] = "layer",
     blocksize: int = 128,
-    damp: float = 0.01,
+    damp: float = SPARSEGPT_DAMP,
     update_weights: bool = True,
     dtype: torch.dtype = torch.float32,
     keep_mask: torch.Tensor | None = None,

@@ -24,6 +24,7 @@ from sparseswaps_prune.core import refit_swaps as rs
 from sparseswaps_prune.core.backends import best_swaps, resolve_backend
 from sparseswaps_prune.core.checks import check_budget, check_gram, check_mask, check_weight
 from sparseswaps_prune.core.losses import correlation, row_losses, weight_losses
+from sparseswaps_prune.core.refit import REFIT_DAMP
 
 OBJECTIVES = ("mask", "refit")
 SCOPES = ("row", "layer")
@@ -96,7 +97,7 @@ def refine_mask(
     backend: str = "auto",
     resync_every: int = 32,
     objective: Literal["mask", "refit"] = "mask",
-    damp: float = 0.01,
+    damp: float = REFIT_DAMP,
     scope: Literal["row", "layer"] = "row",
 ) -> RefineResult:
     """Refine a pruning mask by exact, loss-decreasing 1-swaps.

@@ -28,8 +28,8 @@ from sparseswaps_prune.core.checks import check_budget
 from sparseswaps_prune.core.dsnot import dsnot_refine
 from sparseswaps_prune.core.gram import GramAccumulator
 from sparseswaps_prune.core.losses import row_losses, weight_losses
-from sparseswaps_prune.core.refit import refit_weights
-from sparseswaps_prune.core.sparsegpt import sparsegpt_prune
+from sparseswaps_prune.core.refit import REFIT_DAMP, refit_weights
+from sparseswaps_prune.core.sparsegpt import SPARSEGPT_DAMP, sparsegpt_prune
 from sparseswaps_prune.core.swaps import refine_mask
 from sparseswaps_prune.core.warmstart import WARMSTARTS, warmstart_mask
 from sparseswaps_prune.llm.capture import BlockInputs, capture_block_inputs
@@ -68,7 +68,9 @@ class PruneOptions:
             gradients sharing ``G`` across rows (for wide layers, where per-row factorizations are slow);
             ``"obs"``: SparseGPT's OBS weight update on the final mask (``warmstart="sparsegpt"`` with
             ``scope="layer"``, ``refine="none"`` and ``refit="obs"`` is SparseGPT as published).
-        damp: relative ridge dampening of the re-fit, ``lambda = damp * mean(diag G)``.
+        damp: relative ridge dampening of the re-fit, ``lambda = damp * mean(diag G)``; None (default): 0.01
+            for ``refit="obs"`` (SparseGPT's own dampening), ``REFIT_DAMP`` (1e-3) otherwise. See
+            :attr:`resolved_damp`.
         holdout_guard: with held-out windows, keep a row's re-fitted weights only where they lower that row's
             loss on the held-out Gram compared with its kept weights as they are (re-fitting on few tokens can
             overfit); the other rows keep their original kept weights.
@@ -89,11 +91,18 @@ class PruneOptions:
     refine: str = "sparseswaps"
     dsnot_skip: str | None = "mlp"
     refit: str = "none"
-    damp: float = 0.01
+    damp: float | None = None
     holdout_guard: bool = False
     gram_dtype: str = "float32"
     search_dtype: str = "float32"
     blocks_path: str | None = None
+
+    @property
+    def resolved_damp(self) -> float:
+        """``damp``, or its default: 0.01 for ``refit="obs"`` (SparseGPT's), ``REFIT_DAMP`` otherwise."""
+        if self.damp is not None:
+            return self.damp
+        return SPARSEGPT_DAMP if self.refit == "obs" else REFIT_DAMP
 
     def validate(self) -> None:
         """Raise ``ValueError``/``TypeError`` naming the bad option."""
@@ -115,8 +124,8 @@ class PruneOptions:
             raise ValueError("scope='layer' has no meaning with nm (N:M fixes every block's count); use scope='row'")
         if self.holdout_guard and self.refit == "none":
             raise ValueError("holdout_guard decides which rows keep their re-fit: also set refit (e.g. refit='ls')")
-        if not (isinstance(self.damp, (int, float)) and self.damp >= 0):
-            raise ValueError(f"damp must be a number >= 0, got {self.damp!r}")
+        if self.damp is not None and not (isinstance(self.damp, (int, float)) and self.damp >= 0):
+            raise ValueError(f"damp must be a number >= 0 or None, got {self.damp!r}")
         for name in ("gram_dtype", "search_dtype"):
             if getattr(self, name) not in ("float32", "float64"):
                 raise ValueError(f"{name} must be 'float32' or 'float64', got {getattr(self, name)!r}")
@@ -363,7 +372,7 @@ def _prune_layer(
                 device=device,
                 dtype=getattr(torch, options.search_dtype),
                 objective=options.objective,
-                damp=options.damp,
+                damp=options.resolved_damp,
                 scope=options.scope,
             )
             mask, loss_warm, loss_refined = refined.mask, refined.loss_before, refined.loss_after
@@ -383,14 +392,14 @@ def _prune_layer(
         seconds = time.perf_counter() - start
         refit = None
         if options.refit == "obs":
-            refit = sparsegpt_prune(weight.to(device), acc.gram, keep_mask=mask.to(device), damp=options.damp).weight
-            refit = refit.cpu()
+            refit = sparsegpt_prune(weight.to(device), acc.gram, keep_mask=mask.to(device), damp=options.resolved_damp)
+            refit = refit.weight.cpu()
         elif searched_weight is not None:
             refit = searched_weight.cpu()  # the re-fit objective's search already holds the exact re-fit
         elif options.refit != "none":
             solver = "cg" if options.refit == "cg" else "direct"
             refit = refit_weights(
-                weight.to(device), acc.gram.to(device), mask.to(device), damp=options.damp, solver=solver
+                weight.to(device), acc.gram.to(device), mask.to(device), damp=options.resolved_damp, solver=solver
             ).cpu()
     except (ValueError, TypeError) as err:
         raise type(err)(f"layer {layer.name}: {err}") from None

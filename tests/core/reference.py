@@ -6,6 +6,8 @@ import itertools
 
 import torch
 
+from sparseswaps_prune.core.refit import REFIT_DAMP
+
 
 def row_loss(w: torch.Tensor, gram: torch.Tensor, keep: torch.Tensor) -> float:
     r = torch.where(keep, 0.0, w).double()
@@ -315,7 +317,7 @@ def refit_row_objective(w: torch.Tensor, gram: torch.Tensor, keep: torch.Tensor,
     return total - float(b[s] @ torch.linalg.solve(system, b[s]))
 
 
-def row_objective(objective: str, damp: float = 0.01):
+def row_objective(objective: str, damp: float = REFIT_DAMP):
     """The per-row loss ``(w, gram, keep) -> float`` of ``objective`` ("mask" or "refit")."""
     if objective == "mask":
         return row_loss
@@ -408,7 +410,7 @@ def brute_plan(swap, remove, add, eps: float):
     return best[2]
 
 
-def brute_layer_step(objective: str, w, gram, keep, damp: float = 0.01, eps: float = 0.0):
+def brute_layer_step(objective: str, w, gram, keep, damp: float = REFIT_DAMP, eps: float = 0.0):
     """One layer-budget iteration by brute force; returns the new mask (a copy) and the plan."""
     loss = row_objective(objective, damp)
     if objective == "refit":

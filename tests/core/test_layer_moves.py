@@ -5,6 +5,7 @@ import torch
 from sparseswaps_prune import refine_mask, refit_weights, row_losses, warmstart_mask
 from sparseswaps_prune.core import layer_moves
 from sparseswaps_prune.core.layer_moves import plan_moves
+from sparseswaps_prune.core.refit import REFIT_DAMP
 from sparseswaps_prune.core.refit_swaps import refit_objective
 from tests.core.reference import brute_layer_step, brute_plan, layer_problem
 
@@ -12,7 +13,7 @@ from tests.core.reference import brute_layer_step, brute_plan, layer_problem
 def layer_loss(objective, weight, gram, keep):
     if objective == "mask":
         return float(row_losses(weight, gram, keep).sum())
-    return float(refit_objective(weight, gram, keep, damp=0.01).sum())
+    return float(refit_objective(weight, gram, keep, damp=REFIT_DAMP).sum())
 
 
 @pytest.mark.parametrize("seed", range(40))
