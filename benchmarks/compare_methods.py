@@ -95,9 +95,11 @@ def plot(rows: dict[str, list[tuple[str, float]]], dense: float, path: Path) -> 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    height = max(len(r) for r in rows.values())
-    fig, axes = plt.subplots(1, len(rows), figsize=(6 * len(rows), 0.35 * height + 1.5), squeeze=False)
-    for ax, (pattern, runs) in zip(axes[0], rows.items(), strict=True):
+    heights = [len(r) + 1.5 for r in rows.values()]
+    fig, axes = plt.subplots(
+        len(rows), 1, figsize=(10, 0.3 * sum(heights) + 1), squeeze=False, gridspec_kw={"height_ratios": heights}
+    )
+    for ax, (pattern, runs) in zip(axes[:, 0], rows.items(), strict=True):
         names, ppl = zip(*runs, strict=True)
         ax.barh(range(len(runs)), ppl, color=["tab:orange" if "sparseswaps" in n else "tab:gray" for n in names])
         for i, value in enumerate(ppl):
