@@ -21,6 +21,7 @@ An ``--extra`` setting is a comma-separated list of ``PruneOptions`` fields (``w
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import platform
 import tempfile
@@ -155,12 +156,7 @@ def main() -> None:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    experiment: list[Experiment] = []  # built on first use: printing finished rows needs no model
-
-    def exp() -> Experiment:
-        if not experiment:
-            experiment.append(build_experiment(args))
-        return experiment[0]
+    exp = functools.cache(lambda: build_experiment(args))  # built on first use: finished rows need no model
 
     print(f"machine: {platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}")
     dense_file = out / "dense.json"

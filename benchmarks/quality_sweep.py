@@ -16,6 +16,7 @@ A large ``--iters`` value (e.g. 1000) runs until no row has an improving swap ("
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import platform
 import time
@@ -67,19 +68,15 @@ def main() -> None:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    experiment: list[Experiment] = []  # built on first use: printing finished rows needs no model
 
+    @functools.cache  # built on first use: printing finished rows needs no model
     def exp() -> Experiment:
-        if not experiment:
-            model, tokenizer = load_model()
-            calib = load_calibration("builtin", tokenizer, args.nsamples, args.seqlen, seed=0)
-            eval_tokens = load_eval_tokens("builtin", tokenizer)
-            experiment.append(
-                Experiment(
-                    model, tokenizer, calib, eval_tokens=eval_tokens, seqlen=args.seqlen, eval_windows=args.eval_windows
-                )
-            )
-        return experiment[0]
+        model, tokenizer = load_model()
+        calib = load_calibration("builtin", tokenizer, args.nsamples, args.seqlen, seed=0)
+        eval_tokens = load_eval_tokens("builtin", tokenizer)
+        return Experiment(
+            model, tokenizer, calib, eval_tokens=eval_tokens, seqlen=args.seqlen, eval_windows=args.eval_windows
+        )
 
     print(f"machine: {platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}")
     print("| pattern | T | summed loss | reduction | mean layer reduction | ppl | swaps | pruning s |")
