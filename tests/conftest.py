@@ -2,6 +2,7 @@
 
 import importlib.util
 import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
@@ -20,7 +21,10 @@ if not torch.cuda.is_available():
 
 @pytest.fixture(scope="session")
 def benchmark_script() -> Callable[[str], ModuleType]:
-    """``benchmark_script("layer_study")`` imports ``benchmarks/layer_study.py`` (the scripts are not a package)."""
+    """``benchmark_script("layer_study")`` imports ``benchmarks/layer_study.py`` (the scripts are not a package;
+    like ``python benchmarks/x.py``, a script may import its siblings)."""
+    if str(BENCHMARKS) not in sys.path:
+        sys.path.insert(0, str(BENCHMARKS))
 
     def load(name: str) -> ModuleType:
         spec = importlib.util.spec_from_file_location(f"{name}_benchmark", BENCHMARKS / f"{name}.py")
