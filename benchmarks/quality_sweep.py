@@ -3,7 +3,8 @@
 Prunes the packaged SmolLM2-135M-Instruct from its dense weights once per (pattern, T) with the main job's
 setting (built-in corpus, Wanda warmstart, 16 x 256 calibration tokens, 32 x 256 evaluation tokens,
 sequential block-wise) and prints a Markdown table: summed per-layer loss, relative reduction over the
-warmstart, mean per-layer reduction (the paper's "error reduction"), held-out perplexity, swaps and time.
+warmstart, mean per-layer reduction (the paper's "error reduction"), held-out perplexity, swaps, the last
+iteration any layer ran ("last iteration"; below T means every row converged) and time.
 T = 0 is the warmstart alone. Rows are saved as JSON in ``--out`` as they finish (an interrupted sweep
 continues), and ``--plot`` draws reduction and perplexity against T like the paper's ablation figure.
 
@@ -79,8 +80,8 @@ def main() -> None:
         )
 
     print(f"machine: {platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}")
-    print("| pattern | T | summed loss | reduction | mean layer reduction | ppl | swaps | pruning s |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| pattern | T | summed loss | reduction | mean layer reduction | ppl | swaps | last iteration | pruning s |")
+    print("|---|---|---|---|---|---|---|---|---|")
     rows: dict[str, list[dict]] = {}
     for pattern in args.patterns:
         nm = tuple(int(v) for v in pattern.split(":")) if ":" in pattern else None
@@ -102,7 +103,7 @@ def main() -> None:
             print(
                 f"| {pattern} | {iters} | {t['loss_refined']:.4g} | {t['reduction']:.1%} | "
                 f"{t['mean_layer_reduction']:.1%} | {row['perplexity']:.2f} | {t['n_swaps']} | "
-                f"{t['seconds']:.0f} |",
+                f"{t.get('iters_max', 'n/a')} | {t['seconds']:.0f} |",
                 flush=True,
             )
     if args.plot:

@@ -56,6 +56,7 @@ def totals(layers: Sequence[LayerReport]) -> dict[str, float | None]:
         "reduction": 0.0 if before <= 0 else 1.0 - after / before,
         "mean_layer_reduction": sum(layer.reduction for layer in layers) / max(1, len(layers)),
         "n_swaps": sum(layer.n_swaps for layer in layers),
+        "iters_max": max((layer.iters for layer in layers), default=0),
         "seconds": sum(layer.seconds + layer.seconds_refit for layer in layers),
         "loss_final": sum(layer.loss_final for layer in layers),
         **{name: _sum(layers, name) for name in CSV_FIELDS[-6:-1] if name != "seconds_refit"},

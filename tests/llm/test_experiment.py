@@ -23,5 +23,6 @@ def test_runs_start_from_dense_weights_and_measure(tiny_tokenizer):
     assert warm["perplexity"] == again["perplexity"] != dense_ppl
     assert swapped["totals"]["loss_refined"] < warm["totals"]["loss_refined"]
     assert swapped["totals"]["holdout_refined"] is not None and swapped["options"]["max_iters"] == 5
+    assert warm["totals"]["iters_max"] == 0 and 1 <= swapped["totals"]["iters_max"] <= 5
     exp.reset()
     assert all(torch.equal(v, dense[k]) for k, v in model.state_dict().items())
