@@ -35,6 +35,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from compare_methods import pattern_options
 
 from sparseswaps_prune.atomic import save_json
 from sparseswaps_prune.core.gram import GramAccumulator
@@ -144,10 +145,7 @@ def main() -> None:
     print(f"machine: {platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}")
     weights, grams = capture_grams(args.blocks, args.small, args.large, args.holdout, args.seqlen)
     for pattern_text in args.patterns:
-        if ":" in pattern_text:
-            pattern = {"sparsity": None, "nm": tuple(int(v) for v in pattern_text.split(":"))}
-        else:
-            pattern = {"sparsity": float(pattern_text.rstrip("%")) / 100, "nm": None}
+        pattern = pattern_options(pattern_text)
         for size in ("small", "large"):
             path = out / f"{pattern_text.replace(':', 'of').rstrip('%')}__{size}.json"
             if not path.exists():

@@ -27,6 +27,7 @@ import time
 from collections import defaultdict
 
 import torch
+from compare_methods import pattern_options
 from layer_study import capture_grams
 
 from sparseswaps_prune.core.losses import weight_losses
@@ -76,10 +77,7 @@ def main() -> None:
     print(f"machine: {platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}")
     weights, grams = capture_grams(args.blocks, args.nsamples, args.nsamples, 0, args.seqlen)
     for pattern_text in args.patterns:
-        if ":" in pattern_text:
-            pattern = {"sparsity": None, "nm": tuple(int(v) for v in pattern_text.split(":"))}
-        else:
-            pattern = {"sparsity": float(pattern_text.rstrip("%")) / 100, "nm": None}
+        pattern = pattern_options(pattern_text)
         by_kind: dict[str, dict[str, dict[str, float]]] = defaultdict(lambda: defaultdict(lambda: defaultdict(float)))
         for name, weight in weights.items():
             gram = grams[name]["small"].gram
