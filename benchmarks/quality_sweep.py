@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 import torch
+from compare_methods import pattern_options
 
 from sparseswaps_prune.atomic import atomic_write, save_json
 from sparseswaps_prune.llm.data import load_calibration, load_eval_tokens
@@ -84,15 +85,13 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|")
     rows: dict[str, list[dict]] = {}
     for pattern in args.patterns:
-        nm = tuple(int(v) for v in pattern.split(":")) if ":" in pattern else None
-        sparsity = None if nm else float(pattern.rstrip("%")) / 100
         for iters in args.iters:
             path = out / f"{pattern.replace(':', 'of').rstrip('%')}_T{iters}.json"
             if not path.exists():
                 if args.report_only:
                     continue
                 start = time.perf_counter()
-                row = exp().run(PruneOptions(warmstart=args.warmstart, sparsity=sparsity, nm=nm, max_iters=iters))
+                row = exp().run(PruneOptions(warmstart=args.warmstart, max_iters=iters, **pattern_options(pattern)))
                 save_json({**row, "iters": iters, "seconds_wall": time.perf_counter() - start}, path)
             row = json.loads(path.read_text())
             if isinstance(row["perplexity"], dict):  # rows written by run_job before the Experiment harness
