@@ -1,92 +1,215 @@
-"""Comparison matrix on the default model: warmstarts x refinements x sparsity patterns (and extra settings).
+"""Comparison matrix on the default model: starts x refinements x sparsity patterns (and extra settings).
 
-For every pattern and every ``warmstart x refine`` pair (plus any ``--extra`` setting), the packaged
-SmolLM2-135M-Instruct is pruned from its dense weights with the sequential pipeline on the same built-in
-calibration windows, and the script prints one Markdown row: summed per-layer loss on the calibration Gram
-(of the final weights) and on held-out calibration windows, held-out perplexity on the evaluation part of the
-built-in corpus, zero-shot accuracy on the local ``builtin_cloze`` task, and time. Rows are saved as JSON in
-``--out`` as they finish, so an interrupted run continues where it stopped.
+For every pattern, every ``--starts x --refiners`` pair (masks only by default: ``--weights keep``) and every
+``--extra`` or ``--preset`` setting, the packaged SmolLM2-135M-Instruct is pruned from its dense weights with the
+sequential pipeline (:class:`~sparseswaps_prune.llm.experiment.Experiment`) on the same built-in calibration
+windows, and the script prints one Markdown row: the summed final per-layer loss (of the weights each layer ends
+with) on the calibration Gram and on held-out calibration windows (``totals()["loss_final"]`` and
+``["holdout_final"]``), held-out perplexity on the evaluation part of the built-in corpus, zero-shot accuracy on the
+local ``builtin_cloze`` task, the layers' pruning time (``totals()["seconds"]``) and the whole ``prune_model`` wall
+time. Rows are saved as JSON in ``--out`` as they finish, so an interrupted run continues where it stopped.
 
     python benchmarks/compare_methods.py --out /tmp/compare [--patterns 50% 60% 70% 2:4]
-        [--warmstarts magnitude wanda ria sparsegpt] [--refiners none dsnot sparseswaps] [--max-iters 25]
-        [--extra "warmstart=sparsegpt,scope=layer,refine=none,refit=obs"] [--plot compare.png]
+        [--starts magnitude wanda ria sparsegpt] [--refiners none dsnot sparseswaps] [--weights keep]
+        [--max-iters 25] [--extra "start=sparsegpt,scope=layer,refine=none,weights=obs" ...]
+        [--preset admm-alps] [--report-only] [--plot compare.png]
 
 Finished rows are read back without loading the model, so re-running with the same arguments prints the
 table (and draws the plot) at once.
 
-An ``--extra`` setting is a comma-separated list of ``PruneOptions`` fields (``warmstart``, ``refine``,
-``refit``, ``objective``, ``scope``, ``max_iters``, ``damp``) applied on top of the pattern's defaults.
+Settings. A matrix row is ``build_spec(start=S, refine=R, weights=--weights)`` at the pattern (T=``--max-iters``
+for SparseSwaps). An ``--extra`` setting is a comma-separated list of
+:func:`~sparseswaps_prune.core.spec.build_spec` options applied on top of
+:data:`~sparseswaps_prune.core.spec.DEFAULT_SPEC` at the pattern (Wanda start, SparseSwaps T=``--max-iters``
+under the mask objective, least-squares re-fit damp 1e-3 guarded by the held-out windows): ``start``,
+``start_damp``, ``scope``, ``refine``, ``max_iters``, ``eps``, ``objective``, ``search_dtype``, ``backend``,
+``weights``, ``damp``, ``guard`` (``true``/``false``), plus ``dsnot_skip`` (``DSnoTRefine.skip``; ``none``:
+refine every layer). ``default`` (or an empty string) is DEFAULT_SPEC itself. The budget comes from
+``--patterns``; ``scope=layer`` is dropped at N:M patterns (N:M fixes every row's count, so layer-wise methods
+select per row there). Examples: ``start=admm,scope=layer,refine=none,weights=start`` (ADMM as published),
+``start=sparsegpt,scope=layer,refine=none,weights=obs`` (SparseGPT as published), ``refine=none`` (Wanda +
+guarded re-fit), ``weights=keep`` (SparseSwaps masks only). Each row is labelled by its stages, e.g.
+``admm/layer -> none -> start weights`` or ``wanda -> sparseswaps T=25 -> ls (guarded)``; a stage option that
+differs from that stage's default is named in the label (``ls damp 0.01``, ``sparsegpt damp 0.05``).
+
+ADMM and ALPS against SparseGPT and the default (``--preset admm-alps``, the settings of :data:`PRESETS`): ADMM,
+ALPS and SparseGPT as published (layer-wise selection, their own weights), the current default, and ADMM's and
+ALPS's masks as the start of SparseSwaps + guarded re-fit, and ALPS's mask with the guarded re-fit alone:
+
+    python benchmarks/compare_methods.py --out /tmp/admm_alps --patterns 60% 2:4 --starts --refiners --preset admm-alps
+
+(``--starts --refiners`` with no values: no matrix rows.) The same with explicit settings:
+``--extra "start=admm,scope=layer,refine=none,weights=start" "start=alps,scope=layer,refine=none,weights=start"
+"start=sparsegpt,scope=layer,refine=none,weights=obs" default start=admm start=alps "start=alps,refine=none"``.
+
+Saved rows are re-used only if the spec they record (``row["options"]["spec"]``) equals the setting's spec: rows
+written before the typed spec (issue 16: ``PruneOptions(warmstart=..., refit=...)``, labels joined by ``+``) or
+with other stage defaults are never read; they are re-run (and with ``--report-only`` skipped with a note).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import platform
+import re
 import tempfile
 import time
-from dataclasses import fields
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+from common import pattern_options
 
 from sparseswaps_prune.atomic import atomic_write, save_json
+from sparseswaps_prune.core.spec import (
+    DEFAULT_SPEC,
+    REFINES,
+    STARTS,
+    WEIGHTS,
+    DSnoTRefine,
+    PruneSpec,
+    SwapRefine,
+    build_spec,
+)
 from sparseswaps_prune.llm.data import load_calibration, load_eval_tokens
 from sparseswaps_prune.llm.experiment import Experiment
 from sparseswaps_prune.llm.models import load_model
 from sparseswaps_prune.llm.pipeline import PruneOptions
 from sparseswaps_prune.llm.tasks import write_builtin_cloze_task
 
-_FIELD_TYPES = {f.name: f.type for f in fields(PruneOptions)}
-# Rows re-fitted with damp 0.01 (the re-fit default before 2026-11-23, and SparseGPT's) carry no damp in their label.
-LEGACY_DAMP = 0.01
-
-
-def pattern_options(pattern: str) -> dict[str, Any]:
-    """``"60%"`` -> ``{"sparsity": 0.6, "nm": None}``; ``"2:4"`` -> ``{"sparsity": None, "nm": (2, 4)}``."""
-    if ":" in pattern:
-        n, m = (int(v) for v in pattern.split(":"))
-        return {"sparsity": None, "nm": (n, m)}
-    return {"sparsity": float(pattern.rstrip("%")) / 100, "nm": None}
+# --extra option -> parser of its value (the build_spec options, and dsnot_skip)
+_OPTION_TYPES: dict[str, Callable[[str], Any]] = {
+    "start": str,
+    "start_damp": float,
+    "scope": str,
+    "refine": str,
+    "max_iters": int,
+    "eps": float,
+    "objective": str,
+    "search_dtype": str,
+    "backend": str,
+    "weights": str,
+    "damp": float,
+    "guard": lambda v: {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}[v.lower()],
+    "dsnot_skip": lambda v: None if v.lower() == "none" else v,
+}
+PRESETS: dict[str, list[str]] = {
+    "admm-alps": [
+        "start=admm,scope=layer,refine=none,weights=start",  # ADMM as published (Boza 2024)
+        "start=alps,scope=layer,refine=none,weights=start",  # ALPS as published (Meng et al. 2024)
+        "start=sparsegpt,scope=layer,refine=none,weights=obs",  # SparseGPT as published
+        "default",  # the current default: wanda -> sparseswaps T=25 -> ls (guarded)
+        "start=admm",  # admm -> sparseswaps T=25 (mask objective) -> ls (guarded)
+        "start=alps",  # alps -> sparseswaps T=25 -> ls (guarded)
+        "start=alps,refine=none",  # alps -> none -> ls (guarded)
+    ],
+}
+_WEIGHT_NAMES = {"start": "start weights", "admm_update": "admm update", "alps_update": "alps update"}
 
 
 def parse_setting(text: str) -> dict[str, Any]:
-    """``"warmstart=sparsegpt,refine=none,max_iters=5"`` -> a dict of ``PruneOptions`` fields."""
+    """``"start=admm,refine=none,max_iters=5"`` -> ``{"start": "admm", "refine": "none", "max_iters": 5}``;
+    ``"default"`` or ``""`` -> ``{}``."""
     setting: dict[str, Any] = {}
-    for item in filter(None, text.split(",")):
-        key, _, value = item.partition("=")
-        if key not in _FIELD_TYPES:
-            raise SystemExit(f"unknown PruneOptions field {key!r} in --extra {text!r}")
-        if key == "max_iters":
-            setting[key] = int(value)
-        elif key in ("damp", "eps"):
-            setting[key] = float(value)
-        elif key == "holdout_guard":
-            setting[key] = value.lower() in ("1", "true", "yes")
-        else:
-            setting[key] = None if value == "none" and key == "dsnot_skip" else value
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        if item == "default":
+            continue
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--extra {text!r}: {item!r} is not OPTION=VALUE")
+        if key in ("sparsity", "nm"):
+            raise SystemExit(f"--extra {text!r}: the budget comes from --patterns, not {key}=")
+        if key not in _OPTION_TYPES:
+            raise SystemExit(f"--extra {text!r}: unknown option {key!r}; known: {', '.join(_OPTION_TYPES)}")
+        try:
+            setting[key] = _OPTION_TYPES[key](value)
+        except (KeyError, ValueError):
+            raise SystemExit(f"--extra {text!r}: bad value {value!r} for {key}") from None
     return setting
 
 
-def label(setting: dict[str, Any]) -> str:
-    parts = [setting["warmstart"] + ("/layer" if setting.get("scope") == "layer" else "")]
-    refine = setting.get("refine", "sparseswaps")
-    if refine != "none":
-        parts.append(refine + (f" T={setting['max_iters']}" if refine == "sparseswaps" else ""))
-        if refine == "dsnot" and setting.get("dsnot_skip", "mlp") is None:
-            parts[-1] += " (all layers)"
-        if setting.get("objective", "mask") != "mask":
-            parts[-1] += f" ({setting['objective']} objective)"
-    if setting.get("refit", "none") != "none":
-        damp = PruneOptions(refit=setting["refit"], damp=setting.get("damp")).resolved_damp
-        parts.append(
-            f"refit {setting['refit']}"
-            + (f" damp {damp:g}" if damp != LEGACY_DAMP else "")
-            + (" (held-out guard)" if setting.get("holdout_guard") else "")
-        )
-    return " + ".join(parts)
+def setting_spec(setting: dict[str, Any], pattern: str, max_iters: int) -> PruneSpec:
+    """The spec of one setting at one pattern: ``DEFAULT_SPEC`` with the pattern's budget, then ``setting``'s
+    options (``scope="layer"`` dropped at N:M), then T=``max_iters`` unless the setting gives ``max_iters``."""
+    budget = pattern_options(pattern)
+    options = dict(setting)
+    skip = options.pop("dsnot_skip", "unset")
+    if budget["nm"] is not None and options.get("scope") == "layer":
+        del options["scope"]
+    spec = build_spec(build_spec(DEFAULT_SPEC, **budget, scope="row"), **options)
+    if isinstance(spec.refine, SwapRefine) and "max_iters" not in options:
+        spec = dataclasses.replace(spec, refine=dataclasses.replace(spec.refine, max_iters=max_iters))
+    if skip != "unset":
+        if not isinstance(spec.refine, DSnoTRefine):
+            raise ValueError(f"dsnot_skip is an option of refine='dsnot', but refine is {spec.refine.name!r}")
+        spec = dataclasses.replace(spec, refine=dataclasses.replace(spec.refine, skip=skip))
+    return spec
+
+
+def _changed(stage: Any, skip: tuple[str, ...] = ()) -> str:
+    """`` name value`` for every field of ``stage`` that differs from its class default (``skip`` left out)."""
+    default = type(stage)()
+    parts = []
+    for f in dataclasses.fields(stage):
+        value = getattr(stage, f.name)
+        if f.name in skip or value == getattr(default, f.name):
+            continue
+        parts.append(f" {f.name} {value:g}" if isinstance(value, float) else f" {f.name} {value}")
+    return "".join(parts)
+
+
+def label(spec: PruneSpec) -> str:
+    """The stages of ``spec`` (its budget aside), e.g. ``admm/layer -> none -> start weights`` or
+    ``wanda -> sparseswaps T=25 -> ls (guarded)``; every stage option off its default is named."""
+    start = spec.start.name + ("/layer" if spec.budget.scope == "layer" else "") + _changed(spec.start)
+    refine = spec.refine
+    if isinstance(refine, SwapRefine):
+        text = f"sparseswaps T={refine.max_iters}" + (" (refit objective)" if refine.objective == "refit" else "")
+        text += _changed(refine, skip=("max_iters", "objective"))
+    elif isinstance(refine, DSnoTRefine):
+        text = "dsnot" + (" (all layers)" if refine.skip is None else "") + _changed(refine, skip=("skip",))
+        if refine.skip not in (None, DSnoTRefine().skip):
+            text += f" (skips {refine.skip})"
+    else:
+        text = refine.name
+    weights = spec.weights
+    guarded = getattr(weights, "guard", False)
+    weight_text = _WEIGHT_NAMES.get(weights.kind, weights.name) + _changed(weights, skip=("guard", "solver"))
+    return f"{start} -> {text} -> {weight_text}" + (" (guarded)" if guarded else "")
+
+
+def row_path(out: Path, pattern: str, spec: PruneSpec) -> Path:
+    """``--out``/``60__wanda__sparseswaps_T=25__ls_guarded.json``: the pattern and the label, file-name safe."""
+    name = f"{pattern.replace(':', 'of').rstrip('%')}__{label(spec).replace(' -> ', '__').replace('/', '-')}"
+    return out / f"{re.sub(r'[^A-Za-z0-9_.=+-]+', '_', name).strip('_')}.json"
+
+
+def load_row(path: Path, spec: PruneSpec) -> dict[str, Any] | None:
+    """The row saved at ``path`` if it was pruned with ``spec``, else None (missing, or another spec)."""
+    if not path.exists():
+        return None
+    row = json.loads(path.read_text())
+    try:
+        saved = PruneSpec.from_dict(row["options"]["spec"])
+    except (KeyError, TypeError, ValueError):
+        return None
+    return row if saved == spec else None
+
+
+def format_row(pattern: str, name: str, row: dict[str, Any]) -> str:
+    """One Markdown row: final layer loss (calibration, held-out), perplexity, cloze accuracy, layer s, prune s."""
+    t, acc = row["totals"], row["zero_shot"]
+    held = "n/a" if t["holdout_final"] is None else f"{t['holdout_final']:.4g}"
+    ppl = "n/a" if row["perplexity"] is None else f"{row['perplexity']:.2f}"
+    accuracy = "n/a" if not acc else f"{100 * next(iter(acc.values())):.1f}%"
+    return (
+        f"| {pattern} | {name} | {t['loss_final']:.4g} | {held} | {ppl} | {accuracy} | {t['seconds']:.0f} | "
+        f"{row['seconds_prune']:.0f} |"
+    )
 
 
 def plot(rows: dict[str, list[tuple[str, float]]], dense: float, path: Path) -> None:
@@ -136,14 +259,29 @@ def build_experiment(args: argparse.Namespace) -> Experiment:
     )
 
 
-def main() -> None:
+def settings_of(args: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]:
+    """``(source text, setting)`` of every matrix row, ``--extra`` and ``--preset`` setting, in table order."""
+    texts = [f"start={s},refine={r},weights={args.weights}" for s in args.starts for r in args.refiners]
+    for name in args.preset:
+        texts += PRESETS[name]
+    texts += args.extra
+    return [(text, parse_setting(text)) for text in texts]
+
+
+def main(
+    argv: list[str] | None = None, make_experiment: Callable[[argparse.Namespace], Experiment] = build_experiment
+) -> dict[str, list[dict[str, Any]]]:
+    """Run (or read back) every row and print the table; returns ``{pattern: [row, ...]}`` with each row's
+    ``"label"``. ``make_experiment(args)`` builds the experiment on first use (tests pass a tiny model)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="directory for per-setting JSON rows (resumable)")
     parser.add_argument("--patterns", nargs="+", default=["50%", "60%", "70%", "2:4"])
-    parser.add_argument("--warmstarts", nargs="*", default=["magnitude", "wanda", "ria", "sparsegpt"])
-    parser.add_argument("--refiners", nargs="*", default=["none", "dsnot", "sparseswaps"])
-    parser.add_argument("--extra", nargs="*", default=[], help="extra settings, e.g. warmstart=sparsegpt,refit=obs")
-    parser.add_argument("--max-iters", type=int, default=25)
+    parser.add_argument("--starts", nargs="*", choices=STARTS, default=["magnitude", "wanda", "ria", "sparsegpt"])
+    parser.add_argument("--refiners", nargs="*", choices=REFINES, default=["none", "dsnot", "sparseswaps"])
+    parser.add_argument("--weights", choices=WEIGHTS, default="keep", help="weight stage of the matrix rows")
+    parser.add_argument("--extra", nargs="*", default=[], help="extra settings: build_spec options, e.g. start=admm")
+    parser.add_argument("--preset", nargs="*", choices=tuple(PRESETS), default=[], help="named lists of settings")
+    parser.add_argument("--max-iters", type=int, default=25, help="SparseSwaps T unless a setting gives max_iters")
     parser.add_argument("--nsamples", type=int, default=16)
     parser.add_argument("--holdout", type=int, default=8, help="held-out calibration windows")
     parser.add_argument("--seqlen", type=int, default=256)
@@ -152,49 +290,57 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--report-only", action="store_true", help="print (and plot) finished rows, run nothing")
     parser.add_argument("--plot", default=None, help="PNG path: perplexity of every row, one panel per pattern")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+
+    # every setting is checked at every pattern before anything runs
+    runs: list[tuple[str, PruneSpec]] = []
+    for pattern in args.patterns:
+        for text, setting in settings_of(args):
+            try:
+                spec = setting_spec(setting, pattern, args.max_iters)
+            except (TypeError, ValueError) as err:
+                raise SystemExit(f"setting {text!r} at {pattern}: {err}") from None
+            if (pattern, spec) not in runs:
+                runs.append((pattern, spec))
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    exp = functools.cache(lambda: build_experiment(args))  # built on first use: finished rows need no model
+    exp = functools.cache(lambda: make_experiment(args))  # built on first use: finished rows need no model
 
     print(f"machine: {platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}")
     dense_file = out / "dense.json"
-    if not dense_file.exists():
+    if not dense_file.exists() and not args.report_only:
         save_json(exp().evaluate(), dense_file)
-    dense = json.loads(dense_file.read_text())
-    print(f"dense: perplexity {dense['perplexity']:.3f}, zero-shot {dense['zero_shot']}")
-    print("| pattern | method | layer loss (calib) | layer loss (held-out) | ppl | zero-shot acc | prune s |")
-    print("|---|---|---|---|---|---|---|")
-    settings = [
-        {"warmstart": w, "refine": r, "max_iters": args.max_iters if r == "sparseswaps" else 0}
-        for w in args.warmstarts
-        for r in args.refiners
-    ] + [{"warmstart": "wanda", "max_iters": args.max_iters, **parse_setting(text)} for text in args.extra]
-    plotted: dict[str, list[tuple[str, float]]] = {}
-    for pattern in args.patterns:
-        for setting in settings:
-            name = f"{pattern.replace(':', 'of').rstrip('%')}__{label(setting)}".replace(" ", "_").replace("/", "-")
-            path = out / f"{name}.json"
-            if not path.exists():
-                if args.report_only:
-                    continue
-                start = time.perf_counter()
-                row = exp().run(PruneOptions(**pattern_options(pattern), **setting))
-                row["seconds_wall"] = time.perf_counter() - start
-                save_json(row, path)
-            row = json.loads(path.read_text())
-            t, acc = row["totals"], row["zero_shot"]
-            held = "n/a" if t["holdout_refined"] is None else f"{t.get('holdout_refit') or t['holdout_refined']:.4g}"
-            accuracy = "n/a" if not acc else f"{100 * next(iter(acc.values())):.1f}%"
-            print(
-                f"| {pattern} | {label(setting)} | {t['loss_final']:.4g} | {held} | {row['perplexity']:.2f} | "
-                f"{accuracy} | {row['seconds_prune']:.0f} |",
-                flush=True,
-            )
-            plotted.setdefault(pattern, []).append((label(setting), row["perplexity"]))
-    if args.plot:
+    dense = json.loads(dense_file.read_text()) if dense_file.exists() else None
+    if dense is not None:
+        ppl = "n/a" if dense["perplexity"] is None else f"{dense['perplexity']:.3f}"
+        print(f"dense: perplexity {ppl}, zero-shot {dense['zero_shot']}")
+    print(
+        "| pattern | method | final layer loss (calib) | final layer loss (held-out) | ppl | cloze acc | layer s "
+        "| prune s |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    results: dict[str, list[dict[str, Any]]] = {}
+    missing = []
+    for pattern, spec in runs:
+        name, path = label(spec), row_path(out, pattern, spec)
+        row = load_row(path, spec)
+        if row is None:
+            if args.report_only:
+                missing.append(f"{pattern} {name}")
+                continue
+            start = time.perf_counter()
+            row = exp().run(PruneOptions(spec=spec))
+            row["seconds_wall"] = time.perf_counter() - start
+            save_json(row, path)
+        print(format_row(pattern, name, row), flush=True)
+        results.setdefault(pattern, []).append({**row, "label": name})
+    if missing:
+        print(f"not run yet (--report-only): {'; '.join(missing)}")
+    if args.plot and dense is not None:
+        plotted = {p: [(r["label"], r["perplexity"]) for r in rows] for p, rows in results.items()}
         plot(plotted, dense["perplexity"], Path(args.plot))
+    return results
 
 
 if __name__ == "__main__":

@@ -35,45 +35,15 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from compare_methods import pattern_options
+from common import capture_grams, pattern_options
 
 from sparseswaps_prune.atomic import save_json
 from sparseswaps_prune.core.gram import GramAccumulator
 from sparseswaps_prune.core.losses import weight_losses
+from sparseswaps_prune.core.refine import refine_mask
 from sparseswaps_prune.core.refit import refit_weights
 from sparseswaps_prune.core.sparsegpt import sparsegpt_prune
-from sparseswaps_prune.core.swaps import refine_mask
 from sparseswaps_prune.core.warmstart import warmstart_mask
-from sparseswaps_prune.llm.data import load_calibration
-from sparseswaps_prune.llm.layers import find_blocks, find_layers, input_hooks
-from sparseswaps_prune.llm.models import load_model
-
-Grams = dict[str, dict[str, GramAccumulator]]  # layer name -> {"small", "large", "holdout"}
-
-
-def capture_grams(blocks: list[int], small: int, large: int, holdout: int, seqlen: int) -> tuple[dict, Grams]:
-    """Dense weights ``{name: [d_out, d_in]}`` and the three Grams of every linear layer of ``blocks``."""
-    model, tokenizer = load_model()
-    windows = load_calibration("builtin", tokenizer, large, seqlen, seed=0, holdout=holdout)
-    prefix, block_list = find_blocks(model)
-    layers = [layer for b in blocks for layer in find_layers(block_list[b], prefix=f"{prefix}.{b}")]
-    grams: Grams = {
-        layer.name: {part: GramAccumulator(layer.d_in, dtype=torch.float64) for part in ("small", "large", "holdout")}
-        for layer in layers
-    }
-    part = "small"
-
-    def record(name: str, x: torch.Tensor) -> None:
-        grams[name][part].add(x)
-        if part == "small":
-            grams[name]["large"].add(x)
-
-    with torch.no_grad(), input_hooks(layers, record):
-        for i, window in enumerate(windows):
-            part = "small" if i < small else "large" if i < large else "holdout"
-            model(window[None])
-    weights = {layer.name: layer.weight_2d().detach().clone() for layer in layers}
-    return weights, grams
 
 
 def study_layer(

@@ -1,7 +1,8 @@
 """The full sequential pipeline (``prune_model``) end to end: time per block and in total, peak memory, per T.
 
-One ``prune_model`` run per ``T`` in ``--iters`` (Wanda warmstart, 60% per row by default), each from the
-same dense weights (restored between runs), on random calibration token ids drawn with a fixed seed:
+One ``prune_model`` run per ``T`` in ``--iters`` (Wanda start, 60% per row by default; SparseSwaps masks only, the
+kept weights as they are: ``build_spec(start=..., max_iters=T, weights="keep")``), each from the same dense weights
+(restored between runs), on random calibration token ids drawn with a fixed seed:
 
 * ``--model llama-3.1-8b`` (or ``llama-3.1-70b``): the LLaMA-3.1 architecture built from its config with
   random weights (no download). ``--blocks K`` builds only the first K decoder blocks; the full-model time
@@ -10,12 +11,12 @@ same dense weights (restored between runs), on random calibration token ids draw
 * ``--model tiny``: a tiny random LLaMA (2 blocks, hidden 64), for the smoke test.
 
 Printed per T: the prune_model wall time, the capture time (before the first block), the mean time per block
-(Gram accumulation, warmstart, refinement, masking and the pruned block's forward), the full-model time
+(Gram accumulation, start mask, refinement, masking and the pruned block's forward), the full-model time
 (extrapolated from K of N blocks when K < N), the figure per iteration (per layer: refinement time / the
-iterations it ran, summed over layers; the refinement time is the layer's time minus its T=0 time when
-T=0 is in ``--iters``), the swaps, the peak memory (``torch.cuda.max_memory_allocated`` on CUDA; the
-process's peak resident set, reset before each run where Linux allows it, on CPU) and the mean per-layer
-error reduction over the warmstart.
+iterations it ran, summed over layers; the refinement time is the layer's time, ``seconds_mask +
+seconds_weights``, minus its T=0 time when T=0 is in ``--iters``), the swaps, the peak memory
+(``torch.cuda.max_memory_allocated`` on CUDA; the process's peak resident set, reset before each run where Linux
+allows it, on CPU) and the mean per-layer error reduction over the start mask.
 
 On CUDA the input embeddings, rotary embedding and block 0 are moved to the device before each run, so the
 calibration capture (embeddings + block 0 forward) runs there; ``prune_model`` moves every block to the
@@ -46,8 +47,9 @@ import torch
 from torch import nn
 
 from sparseswaps_prune.core.backends import resolve_backend
-from sparseswaps_prune.core.swaps import ROW_BATCH_ELEMENTS, refine_mask
-from sparseswaps_prune.core.warmstart import warmstart_mask
+from sparseswaps_prune.core.layer import prune_layer
+from sparseswaps_prune.core.refine import ROW_BATCH_ELEMENTS
+from sparseswaps_prune.core.spec import SCORES, build_spec
 from sparseswaps_prune.llm import pipeline
 from sparseswaps_prune.llm.layers import find_blocks
 from sparseswaps_prune.llm.pipeline import PruneOptions, finalize, prune_model
@@ -273,9 +275,14 @@ def warm_up(device: torch.device, nm: tuple[int, int] | None) -> None:
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(256, 64, generator=gen)
     weight, gram = torch.randn(16, 64, generator=gen).to(device), (x.T @ x).to(device)
-    keep = warmstart_mask(weight, "wanda", sparsity=None if nm else 0.5, nm=nm, gram=gram)
-    refine_mask(weight, gram, keep, max_iters=2, nm=nm, device=device)
+    spec = build_spec(sparsity=None if nm else 0.5, nm=nm, start="wanda", max_iters=2, weights="keep")
+    prune_layer(weight, gram, spec, device=device)
     _sync(device)
+
+
+def _seconds(report: pipeline.LayerReport) -> float:
+    """A layer's pruning time: its mask stages (start and refinement) and its weight stage."""
+    return report.seconds_mask + report.seconds_weights
 
 
 def run_once(
@@ -315,14 +322,14 @@ def run_once(
             {
                 "block": k,
                 "seconds": block_seconds[k],
-                "layer_seconds": sum(r.seconds for r in mine),
-                "loss_warmstart": sum(r.loss_warmstart for r in mine),
+                "layer_seconds": sum(_seconds(r) for r in mine),
+                "loss_start": sum(r.loss_start for r in mine),
                 "loss_refined": sum(r.loss_refined for r in mine),
                 "n_swaps": sum(r.n_swaps for r in mine),
             }
         )
     return {
-        "iters": options.max_iters,
+        "iters": options.spec.refine.max_iters,
         "prune_seconds": end - start,
         "capture_seconds": capture,
         "mean_block_seconds": mean_block,
@@ -336,7 +343,7 @@ def run_once(
         "peak_memory_bytes": peak,
         "peak_memory_kind": peak_kind,
         "stale_device_bytes": stale,
-        "loss_warmstart": sum(r.loss_warmstart for r in layers),
+        "loss_start": sum(r.loss_start for r in layers),
         "loss_refined": sum(r.loss_refined for r in layers),
         "mean_layer_reduction": sum(r.reduction for r in layers) / max(1, len(layers)),
         "blocks": per_block,
@@ -346,10 +353,10 @@ def run_once(
                 "block": r.block,
                 "d_out": r.d_out,
                 "d_in": r.d_in,
-                "seconds": r.seconds,
+                "seconds": _seconds(r),
                 "iters": r.iters,
                 "n_swaps": r.n_swaps,
-                "loss_warmstart": r.loss_warmstart,
+                "loss_start": r.loss_start,
                 "loss_refined": r.loss_refined,
             }
             for r in layers
@@ -360,7 +367,7 @@ def run_once(
 def add_per_iteration(rows: list[dict[str, Any]]) -> None:
     """Set each T > 0 row's ``seconds_per_iter``: per layer, refinement time / the iterations it ran
     (``max(iters, 1)``), summed over the layers run. The refinement time is the layer's time minus its time
-    in the T=0 run when there is one (else the warmstart is included, and ``per_iter_includes_warmstart``
+    in the T=0 run when there is one (else the start mask is included, and ``per_iter_includes_start``
     says so)."""
     base_row = next((r for r in rows if r["iters"] == 0), None)
     base = {layer["name"]: layer["seconds"] for layer in base_row["layers"]} if base_row else {}
@@ -372,7 +379,7 @@ def add_per_iteration(rows: list[dict[str, Any]]) -> None:
             refine = layer["seconds"] - base.get(layer["name"], 0.0)
             total += max(0.0, refine) / max(1, layer["iters"])
         row["seconds_per_iter"] = total
-        row["per_iter_includes_warmstart"] = base_row is None
+        row["per_iter_includes_start"] = base_row is None
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -412,7 +419,7 @@ def memory_plan(
     Returns ``(items, phases)``: ``items[key] = (where, what, bytes)`` with ``where`` ``"device"`` (the
     compute device, which holds one block at a time) or ``"host"`` (CPU memory); ``phases[name] = (where,
     keys)`` lists the items alive together at one step, so the peak of ``where`` is the largest phase sum.
-    The sizes count the tensors each step allocates (pipeline.py, capture.py, swaps.py, losses.py,
+    The sizes count the tensors each step allocates (pipeline.py, capture.py, refine.py, losses.py,
     warmstart.py); allocator slack and small tensors are left out.
     """
     cfg = LLAMA_CONFIGS[name]
@@ -549,7 +556,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--iters", type=int, nargs="+", default=[0, 1, 5, 25, 100], help="T values, one run each")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="auto", help="weights dtype (auto: bfloat16 on cuda, float32 on cpu)")
-    parser.add_argument("--warmstart", default="wanda")
+    parser.add_argument("--start", default="wanda", choices=SCORES, help="start mask scores (default wanda)")
     parser.add_argument("--sparsity", type=float, default=0.6)
     parser.add_argument("--nm", default=None, help="N:M pattern such as 2:4 (instead of --sparsity)")
     parser.add_argument("--batch-size", type=int, default=1, help="calibration windows per block forward")
@@ -588,7 +595,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     )
     print(
         f"calibration: {nsamples} x {seqlen} {args.calib} tokens (seed {args.seed}), batch {args.batch_size}; "
-        f"{args.warmstart} warmstart, {args.nm or f'{sparsity:.0%} per row'}, search backend {backend}"
+        f"{args.start} start, {args.nm or f'{sparsity:.0%} per row'}, search backend {backend}"
     )
     if n_blocks < full_blocks:
         print(
@@ -607,7 +614,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     for i, iters in enumerate(args.iters):
         if i:
             restore_blocks(model, snapshot)
-        options = PruneOptions(warmstart=args.warmstart, sparsity=sparsity, nm=nm, max_iters=iters)
+        spec = build_spec(start=args.start, sparsity=sparsity, nm=nm, max_iters=iters, weights="keep")
+        options = PruneOptions(spec=spec)
         rows.append(run_once(model, tokens, options, device, args.batch_size, full_blocks))
     add_per_iteration(rows)
 
@@ -626,8 +634,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     notes = [f"peak mem: {rows[0]['peak_memory_kind']}" if rows else ""]
     if rows and rows[0]["extrapolated"]:
         notes.append(f"* extrapolated from {n_blocks} of {full_blocks} blocks")
-    if any(r.get("per_iter_includes_warmstart") for r in rows):
-        notes.append("s/iter includes the warmstart (no T=0 run to subtract)")
+    if any(r.get("per_iter_includes_start") for r in rows):
+        notes.append("s/iter includes the start mask (no T=0 run to subtract)")
     else:
         notes.append("s/iter: per layer (time - its T=0 time) / iterations run, summed over layers")
     print("; ".join(n for n in notes if n))
@@ -646,7 +654,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             "nsamples": nsamples,
             "seqlen": seqlen,
             "calib": args.calib,
-            "warmstart": args.warmstart,
+            "start": args.start,
             "sparsity": sparsity,
             "nm": list(nm) if nm else None,
             "backend": backend,

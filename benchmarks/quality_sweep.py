@@ -1,17 +1,22 @@
-"""T sweep: quality and time of SparseSwaps against its warmstart on the default model.
+"""T sweep: quality and time of SparseSwaps masks against their start mask on the default model.
 
 Prunes the packaged SmolLM2-135M-Instruct from its dense weights once per (pattern, T) with the main job's
-setting (built-in corpus, Wanda warmstart, 16 x 256 calibration tokens, 32 x 256 evaluation tokens,
-sequential block-wise) and prints a Markdown table: summed per-layer loss, relative reduction over the
-warmstart, mean per-layer reduction (the paper's "error reduction"), held-out perplexity, swaps, the last
-iteration any layer ran ("last iteration"; below T means every row converged) and time.
-T = 0 is the warmstart alone. Rows are saved as JSON in ``--out`` as they finish (an interrupted sweep
+setting (built-in corpus, Wanda start, 16 x 256 calibration tokens, 32 x 256 evaluation tokens, sequential
+block-wise) and SparseSwaps masks only, the kept weights as they are
+(``build_spec(start=--start, sparsity/nm=pattern, max_iters=T, weights="keep")``), and prints a Markdown table:
+summed per-layer loss of the refined mask, relative reduction over the start mask, mean per-layer reduction (the
+paper's "error reduction"), held-out perplexity, swaps, the last iteration any layer ran ("last iteration"; below T
+means every row converged) and time (the layers' pruning time, ``totals()["seconds"]``).
+T = 0 is the start mask alone. Rows are saved as JSON in ``--out`` as they finish (an interrupted sweep
 continues), and ``--plot`` draws reduction and perplexity against T like the paper's ablation figure.
 
     python benchmarks/quality_sweep.py --out /tmp/sweep [--iters 0 1 2 5 10 25 50 100] [--patterns 60% 2:4]
-        [--plot sweep.png] [--report-only]
+        [--start wanda] [--plot sweep.png] [--report-only]
 
 A large ``--iters`` value (e.g. 1000) runs until no row has an improving swap ("until converged").
+
+Rows saved by earlier versions (``PruneOptions(warmstart=...)``, the same masks-only measurement) are read and
+printed as they are: the totals this table prints kept their names.
 """
 
 from __future__ import annotations
@@ -24,9 +29,10 @@ import time
 from pathlib import Path
 
 import torch
-from compare_methods import pattern_options
+from common import pattern_options
 
 from sparseswaps_prune.atomic import atomic_write, save_json
+from sparseswaps_prune.core.spec import SCORES, build_spec
 from sparseswaps_prune.llm.data import load_calibration, load_eval_tokens
 from sparseswaps_prune.llm.experiment import Experiment
 from sparseswaps_prune.llm.models import load_model
@@ -60,7 +66,7 @@ def main() -> None:
     parser.add_argument("--out", required=True, help="directory for per-run JSON rows (resumable)")
     parser.add_argument("--iters", type=int, nargs="+", default=[0, 1, 2, 5, 10, 25, 50, 100])
     parser.add_argument("--patterns", nargs="+", default=["60%", "2:4"])
-    parser.add_argument("--warmstart", default="wanda")
+    parser.add_argument("--start", default="wanda", choices=SCORES, help="start mask scores (default wanda)")
     parser.add_argument("--nsamples", type=int, default=16)
     parser.add_argument("--seqlen", type=int, default=256)
     parser.add_argument("--eval-windows", type=int, default=32)
@@ -91,7 +97,8 @@ def main() -> None:
                 if args.report_only:
                     continue
                 start = time.perf_counter()
-                row = exp().run(PruneOptions(warmstart=args.warmstart, max_iters=iters, **pattern_options(pattern)))
+                spec = build_spec(start=args.start, max_iters=iters, weights="keep", **pattern_options(pattern))
+                row = exp().run(PruneOptions(spec=spec))
                 save_json({**row, "iters": iters, "seconds_wall": time.perf_counter() - start}, path)
             row = json.loads(path.read_text())
             if isinstance(row["perplexity"], dict):  # rows written by run_job before the Experiment harness

@@ -27,8 +27,7 @@ import time
 from collections import defaultdict
 
 import torch
-from compare_methods import pattern_options
-from layer_study import capture_grams
+from common import capture_grams, pattern_options
 
 from sparseswaps_prune.core.losses import weight_losses
 from sparseswaps_prune.core.refit import REFIT_DAMP, refit_weights

@@ -20,6 +20,7 @@ import torch
 from sparseswaps_prune.core import refit_swaps as rs
 from sparseswaps_prune.core.backends import best_swaps, resolve_backend
 from sparseswaps_prune.core.losses import correlation
+from sparseswaps_prune.core.refit import damping
 from sparseswaps_prune.core.warmstart import warmstart_mask
 
 
@@ -55,7 +56,7 @@ def measure(d_in: int, n_rows: int, device: str, damp: float, search: str) -> tu
     weight, gram, keep = problem(d_in, n_rows, device)
     k = int(keep.sum(1).max())
     q = d_in - k
-    lam = rs.damping(gram, damp)
+    lam = damping(gram, damp)
     floor = rs.pivot_floor(gram, lam)
     rows = torch.arange(n_rows, device=weight.device)
     build = timed(lambda: rs.build_state(weight, keep, gram, lam, k, q), repeat=1)

@@ -21,7 +21,7 @@ import torch
 from sparseswaps_prune.core.backends import best_swaps
 from sparseswaps_prune.core.backends.terms import swap_terms
 from sparseswaps_prune.core.losses import correlation
-from sparseswaps_prune.core.swaps import refine_mask
+from sparseswaps_prune.core.refine import refine_mask
 from sparseswaps_prune.core.warmstart import warmstart_mask
 
 

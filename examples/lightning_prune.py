@@ -99,10 +99,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     trainer.fit(lm, train)
     final = held_out_loss(lm, held_out)
 
-    before = sum(s.loss_before for s in pruning.stats.values())
-    after = sum(s.loss_after for s in pruning.stats.values())
+    before = sum(s.loss_start for s in pruning.stats.values())
+    after = sum(s.loss_final for s in pruning.stats.values())
     print(
-        f"pruned {len(pruning.stats)} MLP layers; summed layer loss warmstart {before:.4g} -> SparseSwaps {after:.4g}"
+        f"pruned {len(pruning.stats)} MLP layers; summed layer loss start mask {before:.4g} -> final weights "
+        f"{after:.4g}"
     )
     zeros = total = 0
     for name, module in lm.named_modules():

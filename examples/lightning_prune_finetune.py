@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     parser.add_argument("--tiny", action="store_true", help="a tiny random llama instead of SmolLM2-135M")
     parser.add_argument("--model", default=None, help="model path or hub name (default: packaged SmolLM2-135M)")
     parser.add_argument("--sparsity", type=float, default=0.5)
-    parser.add_argument("--warmstart", default="wanda", choices=["magnitude", "wanda", "ria"])
+    parser.add_argument("--start", default="wanda", choices=["magnitude", "wanda", "ria"])
     parser.add_argument("--max-iters", type=int, default=5, help="SparseSwaps iterations per layer")
     parser.add_argument("--calibration-batches", type=int, default=4)
     parser.add_argument("--adapter", default="masklora", choices=["masklora", "scalelora", "none"])
@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     module = CausalLMModule(model, adapter=args.adapter, rank=args.rank, lr=args.lr)
     pruning = SparseSwapsPruning(
         sparsity=args.sparsity,
-        warmstart=args.warmstart,
+        start=args.start,
         max_iters=args.max_iters,
         calibration_batches=args.calibration_batches,
         exclude=["*lm_head"],  # the same layers the adapters are on: every linear in the decoder blocks
@@ -106,11 +106,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     exact = all(torch.equal(module.get_submodule(n).weight != 0, m) for n, m in masks.items())
     finetuned = evaluate()
 
-    before = sum(s.loss_before for s in pruning.stats.values())
-    after = sum(s.loss_after for s in pruning.stats.values())
+    before = sum(s.loss_start for s in pruning.stats.values())
+    after = sum(s.loss_final for s in pruning.stats.values())
     print(
         f"pruned {len(names)} layers in {probe.times['fit_start'] - fit_start:.0f} s; summed layer loss "
-        f"{args.warmstart} {before:.4g} -> SparseSwaps {after:.4g}"
+        f"{args.start} {before:.4g} -> final weights {after:.4g}"
     )
     print(
         f"PERP ({args.adapter}, rank {args.rank}): {module.n_trainable:,} trainable of {module.n_total:,} parameters "

@@ -11,6 +11,7 @@ import argparse
 import tempfile
 from pathlib import Path
 
+from sparseswaps_prune.core.spec import build_spec
 from sparseswaps_prune.llm.job import JobConfig, run_job, summary
 from sparseswaps_prune.llm.pipeline import PruneOptions
 
@@ -30,7 +31,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", default=None, help="output directory (default: a temporary one)")
     parser.add_argument("--sparsity", type=float, default=0.5)
     parser.add_argument("--nm", default=None, help="N:M pattern such as 2:4 instead of --sparsity")
-    parser.add_argument("--warmstart", default="wanda", choices=["magnitude", "wanda", "ria"])
+    parser.add_argument("--start", default="wanda", choices=["magnitude", "wanda", "ria", "sparsegpt"])
     parser.add_argument("--max-iters", type=int, default=20)
     parser.add_argument("--nsamples", type=int, default=4)
     parser.add_argument("--seqlen", type=int, default=64)
@@ -46,7 +47,9 @@ def main(argv: list[str] | None = None) -> dict:
         config = JobConfig(
             model=model,
             prune=PruneOptions(
-                warmstart=args.warmstart, sparsity=None if nm else args.sparsity, nm=nm, max_iters=args.max_iters
+                spec=build_spec(
+                    start=args.start, sparsity=None if nm else args.sparsity, nm=nm, max_iters=args.max_iters
+                )
             ),
             nsamples=args.nsamples,
             seqlen=args.seqlen,

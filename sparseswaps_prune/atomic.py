@@ -15,7 +15,8 @@ import torch
 def atomic_write(path: str | os.PathLike[str], write: Callable[[IO[bytes]], None]) -> None:
     """Call ``write(f)`` on a temporary binary file next to ``path``, then ``os.replace`` it onto ``path``.
 
-    An interrupted write never leaves a truncated ``path``: either the old file or the complete new one.
+    An interrupted write never leaves a truncated ``path``: either the old file or the complete new one. The
+    directory is fsynced after the rename, so a completed write also survives a power loss.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -29,6 +30,21 @@ def atomic_write(path: str | os.PathLike[str], write: Callable[[IO[bytes]], None
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(directory: Path) -> None:
+    """Make a rename in ``directory`` durable (POSIX); a no-op where directories cannot be opened (Windows)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def save_torch(obj: Any, path: str | os.PathLike[str]) -> None:

@@ -14,15 +14,21 @@ import logging
 import sys
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from sparseswaps_prune.core.warmstart import WARMSTARTS
-from sparseswaps_prune.llm.pipeline import REFINERS, REFITS
+from sparseswaps_prune.core.spec import (
+    DEFAULT_SPEC,
+    OBJECTIVES,
+    REFINES,
+    SCOPES,
+    SEARCH_BACKENDS,
+    STARTS,
+    WEIGHTS,
+    build_spec,
+)
 
-# The main job's defaults: the best combination measured within its 10-minute CPU budget (README, RESULTS.md):
-# SparseSwaps T=25, then an exact least-squares re-fit that each row keeps only where it lowers its loss on
-# DEFAULT_HOLDOUT held-out calibration windows.
-DEFAULT_MAX_ITERS = 25
-DEFAULT_HOLDOUT = 8
+if TYPE_CHECKING:
+    from sparseswaps_prune.llm.job import JobConfig
 
 
 class _JsonFormatter(logging.Formatter):
@@ -38,53 +44,44 @@ def _nm(text: str) -> tuple[int, int]:
     return n, m
 
 
-def _prune(args: argparse.Namespace) -> int:
-    from sparseswaps_prune.llm.job import JobConfig, run_job, summary
+def job_config(args: argparse.Namespace) -> JobConfig:
+    """The :class:`~sparseswaps_prune.llm.job.JobConfig` that ``sparseswaps prune`` runs for parsed ``args``: the
+    per-layer spec is :data:`~sparseswaps_prune.core.spec.DEFAULT_SPEC` with the given options changed
+    (:func:`~sparseswaps_prune.core.spec.build_spec`), everything else the ``JobConfig`` defaults."""
+    from sparseswaps_prune.llm.job import JobConfig
     from sparseswaps_prune.llm.pipeline import PruneOptions
 
-    least_squares = args.refit in ("ls", "cg")
-    if args.holdout is None:
-        args.holdout = DEFAULT_HOLDOUT if least_squares else 0
-    if args.holdout_guard is None:
-        args.holdout_guard = least_squares and args.holdout > 0
+    spec = build_spec(
+        sparsity=args.sparsity, nm=args.nm, scope=args.scope, start=args.start, start_damp=args.start_damp,
+        refine=args.refine, max_iters=args.max_iters, eps=args.eps, objective=args.objective,
+        search_dtype=args.search_dtype, backend=args.backend, weights=args.weights, damp=args.damp, guard=args.guard,
+    )  # fmt: skip
+    options = PruneOptions(spec=spec, include=args.include, exclude=args.exclude, gram_dtype=args.gram_dtype)
+    given = {name: getattr(args, name) for name in _JOB_FIELDS if getattr(args, name) is not None}
+    return JobConfig(prune=options, **given)
 
-    options = PruneOptions(
-        warmstart=args.warmstart,
-        sparsity=None if args.nm else args.sparsity,
-        nm=args.nm,
-        max_iters=args.max_iters,
-        eps=args.eps,
-        include=args.include,
-        exclude=args.exclude,
-        scope=args.scope,
-        refine=args.refine,
-        objective=args.objective,
-        refit=args.refit,
-        damp=args.damp,
-        holdout_guard=args.holdout_guard,
-    )
-    config = JobConfig(
-        model=args.model,
-        gguf_file=args.gguf_file,
-        prune=options,
-        calib=args.calib,
-        nsamples=args.nsamples,
-        seqlen=args.seqlen,
-        holdout=args.holdout,
-        eval=None if args.eval == "none" else args.eval,
-        eval_windows=args.eval_windows,
-        eval_warmstart=not args.no_eval_warmstart,
-        device=args.device,
-        dtype=args.dtype,
-        seed=args.seed,
-        batch_size=args.batch_size,
-    )
+
+_JOB_FIELDS = (
+    "model", "gguf_file", "calib", "nsamples", "seqlen", "holdout", "eval", "eval_windows", "device", "dtype", "seed",
+    "batch_size",
+)  # fmt: skip
+
+
+def _prune(args: argparse.Namespace) -> int:
+    from sparseswaps_prune.llm.job import run_job, summary
+
+    config = job_config(args)
+    if args.eval == "none":
+        config.eval = None
+    config.eval_warmstart = not args.no_eval_warmstart
     report = run_job(config, args.out, progress=not (args.quiet or args.json_log))
     if args.json_log:
         print(json.dumps({k: report[k] for k in ("totals", "perplexity", "seconds")}))
     elif args.quiet:
         ppl = report["perplexity"]
-        print(f"{args.out}: reduction {report['totals']['reduction']:.1%}, perplexity {ppl}")
+        print(
+            f"{args.out}: final layer loss {report['totals']['final_reduction']:.1%} below the start, perplexity {ppl}"
+        )
     else:
         print(summary(report))
         print(f"saved to {args.out} (load with AutoModelForCausalLM.from_pretrained({str(args.out)!r}))")
@@ -145,71 +142,105 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_prune_options(p: argparse.ArgumentParser) -> None:
+    """``sparseswaps prune``'s options, grouped by stage; spec options default to None (= DEFAULT_SPEC's value,
+    shown in the help) so that only the given ones change the default spec."""
+    from sparseswaps_prune.llm.job import DEFAULT_HOLDOUT
+
+    spec = DEFAULT_SPEC
+    budget = p.add_argument_group("budget")
+    pattern = budget.add_mutually_exclusive_group()
+    pattern.add_argument("--sparsity", type=float, help=f"fraction pruned (default {spec.budget.sparsity})")
+    pattern.add_argument("--nm", type=_nm, help="N:M pattern instead of --sparsity, e.g. 2:4")
+    budget.add_argument("--scope", choices=SCOPES, help=f"budget per row or per layer (default {spec.budget.scope})")
+
+    start = p.add_argument_group("start (the mask refinement starts from)")
+    start.add_argument("--start", choices=STARTS, help=f"start mask (default {spec.start.name})")
+    start.add_argument(
+        "--start-damp",
+        type=float,
+        help="the start's own ridge for --start sparsegpt|admm|alps (defaults 0.01, 0.1, 0.01: the originals')",
+    )
+
+    refine = p.add_argument_group("refine (the mask)")
+    refine.add_argument("--refine", choices=REFINES, help=f"mask refinement (default {spec.refine.name})")
+    refine.add_argument(
+        "--max-iters", type=int, help=f"SparseSwaps iterations T per layer (default {spec.refine.max_iters})"
+    )
+    refine.add_argument("--eps", type=float, help=f"SparseSwaps: minimum gain of a swap (default {spec.refine.eps})")
+    refine.add_argument(
+        "--objective",
+        choices=OBJECTIVES,
+        help=f"SparseSwaps: judge swaps with the kept weights as they are, or re-fitted (refit needs --weights ls) "
+        f"(default {spec.refine.objective})",
+    )
+    refine.add_argument(
+        "--search-dtype", choices=("float32", "float64"), help="SparseSwaps search dtype (default float32)"
+    )
+    refine.add_argument("--backend", choices=SEARCH_BACKENDS, help="SparseSwaps search backend (default auto)")
+
+    weights = p.add_argument_group("weights (the final kept weights)")
+    weights.add_argument(
+        "--weights",
+        choices=WEIGHTS,
+        help=f"keep (the paper's SparseSwaps), ls (exact least-squares re-fit), cg (the same by conjugate gradients), "
+        f"obs, admm, alps (SparseGPT's, ADMM's, ALPS's update on the final mask), start (the weights --start "
+        f"sparsegpt|admm|alps computed, with --refine none) (default {spec.weights.name})",
+    )
+    weights.add_argument(
+        "--damp",
+        type=float,
+        help="relative ridge of the weight update (defaults: 1e-3 for ls/cg, 0.01 for obs/alps, 0.1 for admm)",
+    )
+    weights.add_argument(
+        "--guard",
+        action=argparse.BooleanOptionalAction,
+        help="keep a row's weight update only where it lowers its held-out loss (default: on for ls/cg, off for the "
+        "published methods' updates)",
+    )
+
+    layers = p.add_argument_group("layers")
+    layers.add_argument("--include", nargs="+", help="fnmatch patterns of layer names to prune (default: all)")
+    layers.add_argument("--exclude", nargs="+", help="fnmatch patterns of layer names to skip")
+    layers.add_argument("--gram-dtype", choices=("float32", "float64"), default="float32", help="(default float32)")
+
+    data = p.add_argument_group("model and data")
+    data.add_argument("--model", help="hub name or local path (default: packaged SmolLM2-135M-Instruct)")
+    data.add_argument("--gguf-file", help="GGUF file inside --model")
+    data.add_argument("--calib", help="calibration text: builtin | c4 | wikitext | PATH (default builtin)")
+    data.add_argument("--nsamples", type=int, help="calibration windows (default 16)")
+    data.add_argument("--seqlen", type=int, help="tokens per window (default 256)")
+    data.add_argument(
+        "--holdout",
+        type=int,
+        help=f"held-out calibration windows for --guard and the report (default {DEFAULT_HOLDOUT})",
+    )
+    data.add_argument("--eval", help="perplexity text: builtin | c4 | wikitext | PATH | none (default builtin)")
+    data.add_argument("--eval-windows", type=int, help="at most this many evaluation windows (default 32)")
+    data.add_argument("--no-eval-warmstart", action="store_true", help="skip the start mask's perplexity")
+
+    run = p.add_argument_group("run")
+    run.add_argument("--device", help="compute device (default cpu)")
+    run.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], help="model dtype (default float32)")
+    run.add_argument("--seed", type=int, help="calibration sampling seed (default 0)")
+    run.add_argument("--batch-size", type=int, help="windows per forward (default 4)")
+    run.add_argument("--out", required=True, help="output directory (resumes if it holds an unfinished run)")
+    run.add_argument("--quiet", action="store_true", help="no progress bars, one summary line")
+    run.add_argument("--json-log", action="store_true", help="JSON log lines on stderr, JSON summary on stdout")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sparseswaps", description="SparseSwaps: exact 1-swap LLM pruning")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("prune", help="prune a causal LM (default: the packaged SmolLM2-135M) and save it")
-    p.add_argument("--model", default=None, help="hub name or local path (default: packaged SmolLM2-135M)")
-    p.add_argument("--gguf-file", default=None, help="GGUF file inside --model")
-    p.add_argument("--warmstart", default="wanda", choices=WARMSTARTS)
-    budget = p.add_mutually_exclusive_group()
-    budget.add_argument("--sparsity", type=float, default=0.6, help="fraction pruned per row (default 0.6)")
-    budget.add_argument("--nm", type=_nm, default=None, help="N:M pattern, e.g. 2:4")
-    p.add_argument("--max-iters", type=int, default=DEFAULT_MAX_ITERS, help="SparseSwaps iterations T per layer")
-    p.add_argument("--eps", type=float, default=0.0, help="stop a row when its best swap gains less")
-    p.add_argument(
-        "--scope", default="row", choices=["row", "layer"], help="budget per row, or per layer (moves across rows)"
+    p = sub.add_parser(
+        "prune",
+        help="prune a causal LM (default: the packaged SmolLM2-135M) and save it",
+        description=f"Prune every linear layer of every decoder block, block by block. Default method: "
+        f"{DEFAULT_SPEC.describe()}.",
     )
-    p.add_argument("--refine", default="sparseswaps", choices=REFINERS, help="mask refinement after the warmstart")
-    p.add_argument(
-        "--refit",
-        default="ls",
-        choices=REFITS,
-        help="re-fit kept weights after the masks: ls (exact per row, default), cg (iterative), obs (SparseGPT's "
-        "update), none (the paper's SparseSwaps: weights kept)",
-    )
-    p.add_argument(
-        "--objective",
-        default="mask",
-        choices=["mask", "refit"],
-        help="swap objective: kept weights as is, or re-fitted",
-    )
-    p.add_argument(
-        "--damp",
-        type=float,
-        default=None,
-        help="relative dampening of the re-fit (default 1e-3; 0.01 with --refit obs, SparseGPT's)",
-    )
-    p.add_argument("--include", nargs="+", default=None, help="fnmatch patterns of layer names to prune")
-    p.add_argument("--exclude", nargs="+", default=None, help="fnmatch patterns of layer names to skip")
-    p.add_argument("--calib", default="builtin", help="builtin | c4 | wikitext | PATH")
-    p.add_argument("--nsamples", type=int, default=16)
-    p.add_argument("--seqlen", type=int, default=256)
-    p.add_argument(
-        "--holdout",
-        type=int,
-        default=None,
-        help=f"held-out calibration windows, disjoint from the calibration ones (default {DEFAULT_HOLDOUT} with "
-        "--refit ls|cg, else 0)",
-    )
-    p.add_argument(
-        "--holdout-guard",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="keep a row's re-fit only if it lowers its held-out loss (default: on with --refit ls|cg)",
-    )
-    p.add_argument("--eval", default="builtin", help="perplexity text: builtin | c4 | wikitext | PATH | none")
-    p.add_argument("--eval-windows", type=int, default=32, help="at most this many eval windows")
-    p.add_argument("--no-eval-warmstart", action="store_true", help="skip the warmstart model's perplexity")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--batch-size", type=int, default=4)
-    p.add_argument("--out", required=True, help="output directory (resumes if it holds an unfinished run)")
-    p.add_argument("--quiet", action="store_true", help="no progress bars, one summary line")
-    p.add_argument("--json-log", action="store_true", help="JSON log lines on stderr, JSON summary on stdout")
+    _add_prune_options(p)
     p.set_defaults(func=_prune)
 
     e = sub.add_parser("eval", help="perplexity and zero-shot accuracy of a (pruned) model")

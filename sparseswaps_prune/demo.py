@@ -6,7 +6,7 @@ import time
 
 import torch
 
-from sparseswaps_prune.core.swaps import RefineResult, refine_mask
+from sparseswaps_prune.core.refine import RefineResult, refine_mask
 from sparseswaps_prune.core.warmstart import warmstart_mask
 
 

@@ -15,42 +15,40 @@ from torch import nn
 from torch.nn.utils import prune
 
 from sparseswaps_prune.core.checks import check_budget, check_gram, check_weight
-from sparseswaps_prune.core.refit import REFIT_DAMP, refit_weights
-from sparseswaps_prune.core.swaps import RefineResult, refine_mask
-from sparseswaps_prune.core.warmstart import WARMSTARTS, importance_scores, keep_top, warmstart_mask
+from sparseswaps_prune.core.layer import FeatureStats, LayerOutcome, prune_layer
+from sparseswaps_prune.core.spec import DEFAULT_SPEC, DSnoTRefine, PruneSpec, build_spec
 
 
 class SparseSwapsMethod(prune.BasePruningMethod):
-    """Warmstart + SparseSwaps refinement as a ``torch.nn.utils.prune`` method.
+    """One layer-wise pruning spec (start, SparseSwaps refinement, final weights) as a ``torch.nn.utils.prune``
+    method; every tensor is pruned by :func:`~sparseswaps_prune.core.layer.prune_layer`.
 
     Args:
-        amount: fraction of each row's currently unpruned weights to prune, in ``[0, 1)``; exclusive
-            with ``nm``.
+        amount: fraction of each row's currently unpruned weights to prune, in ``[0, 1)`` (the spec's
+            ``sparsity``); exclusive with ``nm``.
         grams: one ``[d_in, d_in]`` Gram matrix per pruned tensor, in parameter order.
         tensors: the ``(module, name)`` pairs being pruned, in the same order (as given to
-            ``global_unstructured``). Gives each layer its 2-D shape and existing mask; required when a
-            tensor is already pruned. Without it, ``shapes`` (or a single 2-D tensor) gives the shapes.
+            ``global_unstructured``). Gives each layer its 2-D shape and existing mask, and is where updated
+            weights are written (they land in ``<name>_orig``; the masked entries stay zero in ``<name>``);
+            required when a tensor is already pruned or the spec updates weights. Without it, ``shapes`` (or a
+            single 2-D tensor) gives the shapes.
         shapes: ``(d_out, d_in)`` per tensor, when ``tensors`` is not given.
-        warmstart: ``"magnitude"``, ``"wanda"``, ``"ria"`` or ``"sparsegpt"`` (SparseGPT's mask, weights kept).
-        nm: ``(n, m)`` semi-structured pattern instead of ``amount``.
-        max_iters: 1-swap iterations ``T_max`` (0: warmstart only).
-        scope: budget, ``"row"`` or ``"layer"`` (the warmstart selects per layer and refinement also moves
-            weights between rows, keeping the layer's count).
-        refit: ``"none"`` or ``"ls"``: re-fit each row's kept weights by exact least squares on its Gram
-            (:func:`~sparseswaps_prune.refit_weights`, ridge ``damp``). The re-fitted weights are written
-            into the pruned tensors (they land in ``<name>_orig``; the masked entries stay zero in
-            ``<name>``), so ``refit`` needs ``tensors=``.
-        damp: relative dampening of the re-fit (and of the re-fit objective).
-        **refine_kwargs: passed to :func:`~sparseswaps_prune.refine_mask` (``objective``, ``eps``, ``device``,
-            ``dtype``, ``backend``, ``row_batch``). ``objective="refit"`` needs ``refit="ls"``.
+        feature_stats: one ``(mean, var, sq_mean)`` ``[d_in]`` input-statistics triple per tensor
+            (``GramAccumulator(track_sum=True).feature_stats(n_samples=...)``); needed by ``refine="dsnot"``
+            only.
+        spec: the per-layer :class:`~sparseswaps_prune.core.spec.PruneSpec` (default
+            :data:`~sparseswaps_prune.core.spec.DEFAULT_SPEC`: Wanda, SparseSwaps T=25, least-squares re-fit).
+        **options: flat options changing ``spec`` (:func:`~sparseswaps_prune.core.spec.build_spec`): ``nm``,
+            ``scope``, ``start``, ``refine``, ``max_iters``, ``eps``, ``objective``, ``search_dtype``, ``backend``,
+            ``weights`` (``"keep"`` for the paper's mask-only SparseSwaps), ``damp``, ``guard``, ``start_damp``.
 
-    After ``compute_mask``, ``self.results`` holds each tensor's :class:`RefineResult` (with ``weight``
-    set to the re-fitted weights when ``refit="ls"``).
+    After ``compute_mask``, ``self.results`` holds each tensor's
+    :class:`~sparseswaps_prune.core.layer.LayerOutcome` (masks, weights, every stage's per-row loss).
 
     Example:
         >>> params = [(model.fc1, "weight"), (model.fc2, "weight")]
         >>> prune.global_unstructured(params, pruning_method=SparseSwapsMethod, amount=0.6,
-        ...                           tensors=params, grams=[g1, g2], warmstart="wanda")
+        ...                           tensors=params, grams=[g1, g2], start="wanda")
     """
 
     PRUNING_TYPE = "unstructured"
@@ -62,44 +60,52 @@ class SparseSwapsMethod(prune.BasePruningMethod):
         grams: Sequence[torch.Tensor],
         tensors: Sequence[tuple[nn.Module, str]] | None = None,
         shapes: Sequence[tuple[int, int]] | None = None,
-        warmstart: str = "wanda",
-        nm: tuple[int, int] | None = None,
-        max_iters: int = 100,
-        scope: str = "row",
-        refit: str = "none",
-        damp: float = REFIT_DAMP,
-        **refine_kwargs,
+        feature_stats: Sequence[FeatureStats] | None = None,
+        spec: PruneSpec = DEFAULT_SPEC,
+        **options,
     ) -> None:
-        if warmstart not in WARMSTARTS:
-            raise ValueError(f"unknown warmstart {warmstart!r}; choose one of {', '.join(WARMSTARTS)}")
-        if refit not in ("none", "ls"):
-            raise ValueError(f"refit must be 'none' or 'ls', got {refit!r}")
-        if refine_kwargs.get("objective", "mask") == "refit" and refit == "none":
-            raise ValueError("objective='refit' chooses masks for re-fitted weights: also pass refit='ls'")
-        if refit != "none" and tensors is None:
-            raise ValueError("refit='ls' writes the re-fitted weights into the pruned tensors: pass tensors=")
+        if amount is not None and options.get("nm") is not None:
+            raise ValueError("give amount= (e.g. 0.6) or nm= (e.g. (2, 4)), not both")
+        self.spec = build_spec(spec, sparsity=amount, **options)
+        if self.spec.updates_weights and tensors is None:
+            raise ValueError(
+                f"weights={self.spec.weights.name!r} writes updated weights into the pruned tensors: pass "
+                "tensors=<the (module, name) list>, or weights='keep' to keep them"
+            )
         if isinstance(grams, torch.Tensor):
             grams = [grams]
-        self.amount, self.grams, self.warmstart, self.nm = amount, list(grams), warmstart, nm
+        self.grams = list(grams)
         self.tensors = list(tensors) if tensors is not None else None
         self.shapes = [tuple(s) for s in shapes] if shapes is not None else None
-        self.max_iters, self.scope, self.refine_kwargs = max_iters, scope, refine_kwargs
-        self.refit, self.damp = refit, damp
-        self.results: list[RefineResult] = []
+        self.results: list[LayerOutcome] = []
         count = len(self.tensors or self.shapes or self.grams)
         if len(self.grams) != count:
             raise ValueError(f"got {len(self.grams)} Gram matrices for {count} tensors; give one per tensor")
+        if isinstance(self.spec.refine, DSnoTRefine) and feature_stats is None:
+            raise ValueError(
+                "refine='dsnot' needs each layer's input means, which a Gram lacks: pass feature_stats=[(mean, var, "
+                "sq_mean) per tensor] from GramAccumulator(d_in, track_sum=True).feature_stats()"
+            )
+        self.feature_stats = list(feature_stats) if feature_stats is not None else [None] * count
+        if len(self.feature_stats) != count:
+            raise ValueError(f"got {len(self.feature_stats)} feature_stats for {count} tensors; give one per tensor")
 
     def compute_mask(self, t: torch.Tensor, default_mask: torch.Tensor) -> torch.Tensor:
         """Mask for ``t``: a 2-D weight, or the flattened (possibly already sliced) vector that
-        ``global_unstructured`` / a ``PruningContainer`` passes. Returns a mask shaped like ``t``."""
+        ``global_unstructured`` / a ``PruningContainer`` passes. Returns a mask shaped like ``t``.
+
+        Every layer is checked before any is pruned, and updated weights are written only after every layer's
+        outcome is known, so an error leaves the tensors as they were."""
         layers = self._layers(t, default_mask)
-        new_masks = [
-            self.layer_mask(weight, existing, gram, name)
-            for (name, weight, existing), gram in zip(layers, self.grams, strict=True)
+        for (name, weight, _), gram in zip(layers, self.grams, strict=True):
+            self._check(weight, gram, name)
+        outcomes = [
+            self.layer_outcome(weight, existing, gram, name, stats)
+            for (name, weight, existing), gram, stats in zip(layers, self.grams, self.feature_stats, strict=True)
         ]
-        if self.refit != "none":
-            self._write_refit(self.results[-len(layers) :])
+        if self.spec.updates_weights:
+            self._write_weights(outcomes)
+        new_masks = [outcome.keep_mask for outcome in outcomes]
         if t.dim() == 2:
             return new_masks[0].to(default_mask.dtype)
         full = torch.cat([m.reshape(-1) for m in new_masks])
@@ -107,20 +113,23 @@ class SparseSwapsMethod(prune.BasePruningMethod):
             return full.to(default_mask.dtype)
         return full[torch.cat([e.reshape(-1) for _, _, e in layers])].to(default_mask.dtype)
 
-    def _write_refit(self, results: list[RefineResult]) -> None:
-        """Write each tensor's re-fitted weights into ``<name>_orig`` (or ``<name>`` if not yet pruned)."""
+    def _write_weights(self, outcomes: list[LayerOutcome]) -> None:
+        """Write each tensor's final weights into ``<name>_orig`` (or ``<name>`` if not yet pruned)."""
         with torch.no_grad():
-            for (module, name), result in zip(self.tensors, results, strict=True):
+            for (module, name), outcome in zip(self.tensors, outcomes, strict=True):
                 target = getattr(module, name + "_orig", None)
                 target = getattr(module, name) if target is None else target
-                target.copy_(result.weight.to(target.dtype))
+                target.copy_(outcome.weight.to(target.dtype))
 
     def _layers(self, t: torch.Tensor, default_mask: torch.Tensor) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
         """``(name, effective weight [d_out, d_in], existing bool mask)`` for every tensor."""
         if self.tensors is not None:
             layers = []
             for i, (module, name) in enumerate(self.tensors):
-                weight = getattr(module, name).detach()
+                weight = getattr(module, name, None)
+                if weight is None:  # inside BasePruningMethod.apply on a dense tensor: torch moved it to _orig
+                    weight = getattr(module, name + "_orig")
+                weight = weight.detach()
                 existing = getattr(module, name + "_mask", torch.ones_like(weight)).detach().bool()
                 layers.append((f"tensors[{i}] ({type(module).__name__}.{name})", weight, existing))
             total = sum(int(e.sum()) for _, _, e in layers)
@@ -146,46 +155,30 @@ class SparseSwapsMethod(prune.BasePruningMethod):
         chunks = zip(t.detach().split(sizes), default_mask.detach().bool().split(sizes), self.shapes, strict=True)
         return [(f"tensor[{i}]", w.reshape(s), m.reshape(s)) for i, (w, m, s) in enumerate(chunks)]
 
-    def layer_mask(
-        self, weight: torch.Tensor, existing: torch.Tensor, gram: torch.Tensor, name: str = "weight"
-    ) -> torch.Tensor:
-        """Bool mask ``[d_out, d_in]`` for one tensor: warmstart among the ``existing`` unpruned entries,
-        then refinement; always a subset of ``existing``. Appends the refinement to ``self.results``."""
+    def _check(self, weight: torch.Tensor, gram: torch.Tensor, name: str) -> None:
+        """Raise (naming the tensor) if ``weight``/``gram`` cannot be pruned under the spec's budget."""
         try:
-            check_weight(weight, what=f"{name} weight")
-            check_gram(gram, weight.shape[1], what=f"{name} gram")
-            check_budget(self.amount, self.nm, weight.shape[1])
+            check_weight(weight, what="weight")
+            check_gram(gram, weight.shape[1])
+            check_budget(self.spec.budget.sparsity, self.spec.budget.nm, weight.shape[1])
         except (TypeError, ValueError) as err:
             raise type(err)(f"{name}: {err}") from None
-        weight = torch.where(existing, weight, 0.0)
-        if bool(existing.all()):
-            keep = warmstart_mask(weight, self.warmstart, sparsity=self.amount, nm=self.nm, gram=gram, scope=self.scope)
-        elif self.nm is not None or self.warmstart == "sparsegpt":
-            raise ValueError(
-                f"{name}: N:M or SparseGPT pruning of an already pruned tensor is not supported; prune.remove first"
-            )
-        else:
-            scores = importance_scores(weight, self.warmstart, gram).masked_fill(~existing, float("-inf"))
-            kept = existing.sum(dim=1, keepdim=True)
-            keep = keep_top(scores, kept - torch.round(self.amount * kept).long()) & existing
-        result = refine_mask(
-            weight,
-            gram,
-            keep,
-            max_iters=self.max_iters,
-            nm=self.nm,
-            scope=self.scope if self.nm is None else "row",
-            damp=self.damp,
-            **self.refine_kwargs,
-        )
-        result.mask &= existing
-        if self.refit == "ls" and result.weight is None:
-            try:
-                result.weight = refit_weights(weight, gram, result.mask, damp=self.damp)
-            except ValueError as err:
-                raise ValueError(f"{name}: {err}") from None
-        self.results.append(result)
-        return result.mask
+
+    def layer_outcome(
+        self,
+        weight: torch.Tensor,
+        existing: torch.Tensor,
+        gram: torch.Tensor,
+        name: str = "weight",
+        feature_stats: FeatureStats | None = None,
+    ) -> LayerOutcome:
+        """Prune one tensor (``[d_out, d_in]``) with ``prune_layer``: the new mask prunes ``amount`` of each
+        row's ``existing`` unpruned entries and is a subset of them. Appends the outcome to ``self.results``."""
+        self._check(weight, gram, name)
+        prior = None if bool(existing.all()) else existing
+        outcome = prune_layer(weight, gram, self.spec, prior_mask=prior, feature_stats=feature_stats, name=name)
+        self.results.append(outcome)
+        return outcome
 
 
 def sparseswaps_unstructured(
@@ -194,38 +187,40 @@ def sparseswaps_unstructured(
     amount: float | None = None,
     *,
     gram: torch.Tensor,
-    warmstart: str = "wanda",
-    max_iters: int = 100,
-    nm: tuple[int, int] | None = None,
-    **kwargs,
+    feature_stats: FeatureStats | None = None,
+    spec: PruneSpec = DEFAULT_SPEC,
+    **options,
 ) -> nn.Module:
-    """Prune ``module.<name>`` by warmstart + SparseSwaps, like ``prune.l1_unstructured``.
+    """Prune ``module.<name>`` with one layer-wise spec (default: Wanda, SparseSwaps, least-squares re-fit), like
+    ``prune.l1_unstructured``.
 
-    Adds ``<name>_orig`` and ``<name>_mask`` to ``module`` (in place) and returns it. If the tensor is
-    already pruned, the new mask prunes ``amount`` of each row's remaining weights and is combined with
-    the existing one. On bad input (wrong Gram size, NaN, bad ``amount``/``nm``) raises before touching
-    ``module``.
+    Adds ``<name>_orig`` and ``<name>_mask`` to ``module`` (in place) and returns it; updated weights land in
+    ``<name>_orig``. If the tensor is already pruned, the new mask prunes ``amount`` of each row's remaining
+    weights and is combined with the existing one. On bad input (wrong Gram size, NaN, bad ``amount``/``nm``/
+    option) raises before touching ``module``.
 
     Args:
         module: module holding a 2-D weight ``[d_out, d_in]`` (e.g. ``nn.Linear``).
         name: parameter name.
         amount: fraction of each row's unpruned weights to prune, in ``[0, 1)``; exclusive with ``nm``.
         gram: ``[d_in, d_in]`` Gram matrix of the module's inputs.
-        warmstart, max_iters, nm, **kwargs: as :class:`SparseSwapsMethod` (``refit="ls"`` re-fits the kept
-            weights; they land in ``<name>_orig``).
+        feature_stats: ``(mean, var, sq_mean)`` of the module's inputs, for ``refine="dsnot"`` only.
+        spec, **options: as :class:`SparseSwapsMethod` (e.g. ``weights="keep"``, ``max_iters=100``,
+            ``nm=(2, 4)``).
 
     Example:
-        >>> sparseswaps_unstructured(layer, "weight", amount=0.6, gram=acc.gram, warmstart="wanda")
+        >>> sparseswaps_unstructured(layer, "weight", amount=0.6, gram=acc.gram)
         >>> prune.remove(layer, "weight")
     """
+    stats = None if feature_stats is None else [feature_stats]
     method = SparseSwapsMethod(
-        amount, grams=[gram], tensors=[(module, name)], warmstart=warmstart, max_iters=max_iters, nm=nm, **kwargs
+        amount, grams=[gram], tensors=[(module, name)], feature_stats=stats, spec=spec, **options
     )
     weight = getattr(module, name).detach()
     existing = getattr(module, name + "_mask", torch.ones_like(weight)).detach().bool()
-    mask = method.layer_mask(weight, existing, gram, f"{type(module).__name__}.{name}")  # validates first
-    prune.custom_from_mask(module, name, mask)
-    if method.refit != "none":
-        method._write_refit(method.results)
+    outcome = method.layer_outcome(weight, existing, gram, f"{type(module).__name__}.{name}", feature_stats)
+    prune.custom_from_mask(module, name, outcome.keep_mask)
+    if outcome.weight is not None:
+        method._write_weights([outcome])
         setattr(module, name, getattr(module, name + "_orig") * getattr(module, name + "_mask"))
     return module

@@ -12,22 +12,27 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
 from torch import nn
 from torch.nn.utils import prune
 
-from sparseswaps_prune.core.checks import check_budget
+from sparseswaps_prune.core.checks import check_budget, check_gram, check_int
 from sparseswaps_prune.core.gram import GramAccumulator
-from sparseswaps_prune.core.losses import weight_losses
-from sparseswaps_prune.core.refit import REFIT_DAMP
-from sparseswaps_prune.core.warmstart import WARMSTARTS
-from sparseswaps_prune.llm.layers import PrunableLayer, _check_patterns, find_layers, input_hooks
-from sparseswaps_prune.llm.pipeline import apply_mask
-from sparseswaps_prune.prune import SparseSwapsMethod
+from sparseswaps_prune.core.layer import LayerOutcome, prune_layer
+from sparseswaps_prune.core.spec import DEFAULT_SPEC, DSnoTRefine, PruneSpec, build_spec
+from sparseswaps_prune.modules import (
+    PrunableLayer,
+    apply_mask,
+    check_patterns,
+    find_layers,
+    input_hooks,
+    replace_weight_mask,
+    restore_masks,
+    same_param_slot,
+)
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LayerStats", "SparseSwapsPruning", "all_reduce_grams", "restore_masks"]
+__all__ = ["LayerStats", "SparseSwapsPruning", "all_reduce_grams"]
 
 MODES = ("one_shot", "sequential")
 
@@ -38,19 +43,20 @@ class LayerStats:
 
     Attributes:
         name: qualified module name inside the LightningModule.
-        loss_before: summed layer loss ``sum_i r_i^T G r_i`` of the warmstart mask (with ``objective="refit"``:
-            of its re-fitted weights).
-        loss_after: the same for the refined mask (never larger); with ``refit="ls"`` the loss of the
-            re-fitted weights ``sum_i (w_i - v_i)^T G (w_i - v_i)``.
-        swaps: total number of 1-swaps applied.
+        loss_start: summed layer loss ``sum_i r_i^T G r_i`` of the start mask (original weights).
+        loss_refined: the same for the refined mask (never larger with SparseSwaps).
+        loss_final: the loss of the final weights (``loss_refined`` when the weights are kept; with a re-fit
+            ``sum_i (w_i - v_i)^T G (w_i - v_i)``).
+        swaps: total number of moves (SparseSwaps) or updates (DSnoT) applied.
         sparsity: fraction of the layer's weights that are zero in the mask.
         n_tokens: calibration tokens in the layer's Gram (summed over all ranks under DDP).
         seconds: time to compute the mask.
     """
 
     name: str
-    loss_before: float
-    loss_after: float
+    loss_start: float
+    loss_refined: float
+    loss_final: float
     swaps: int
     sparsity: float
     n_tokens: int
@@ -58,63 +64,13 @@ class LayerStats:
 
     @property
     def reduction(self) -> float:
-        """``1 - loss_after / loss_before`` (0 when the warmstart had no loss)."""
-        return 0.0 if self.loss_before <= 0 else 1.0 - self.loss_after / self.loss_before
-
-
-@contextmanager
-def _same_param_slot(module: nn.Module, old_name: str, new_name: str) -> Iterator[None]:
-    """Inside, ``torch.nn.utils.prune`` swaps parameter ``old_name`` for ``new_name`` (``weight`` <->
-    ``weight_orig``); afterwards ``new_name`` is moved into ``old_name``'s slot of ``module._parameters``.
-
-    prune appends the new name at the end, which changes ``module.parameters()`` order: an optimizer built
-    before pruning (the usual case in Lightning: ``configure_optimizers`` runs before ``on_fit_start``) and one
-    built after resuming from a checkpoint would disagree on the order, and ``optimizer.load_state_dict``
-    would pair momentum buffers with the wrong tensors."""
-    order = list(module._parameters)
-    yield
-    params = module._parameters
-    if new_name in params and old_name in order:
-        order[order.index(old_name)] = new_name
-        reordered = [(k, params[k]) for k in order if k in params] + [
-            (k, v) for k, v in params.items() if k not in order
-        ]
-        params.clear()
-        params.update(reordered)
-
-
-def restore_masks(module: nn.Module, state_dict: Mapping[str, Any], prefix: str = "") -> list[str]:
-    """Re-create the ``torch.nn.utils.prune`` reparametrization of every layer whose ``<name>.weight_mask``
-    is in ``state_dict``, so that ``module.load_state_dict(state_dict)`` (with its ``weight_orig`` and
-    ``weight_mask`` keys) then loads strictly.
-
-    Call it from ``LightningModule.on_load_checkpoint(self, checkpoint)`` as
-    ``restore_masks(self, checkpoint["state_dict"])`` to make ``MyModule.load_from_checkpoint(path)`` work
-    on a checkpoint written after :class:`SparseSwapsPruning` pruned; inside ``Trainer.fit(ckpt_path=...)``
-    the callback does this itself.
-
-    Returns:
-        The qualified names of the layers given a mask (layers already pruned are left alone).
-    """
-    restored = []
-    for key, mask in state_dict.items():
-        if not key.startswith(prefix) or not key.endswith(".weight_mask"):
-            continue
-        name = key[len(prefix) : -len(".weight_mask")]
-        try:
-            layer = module.get_submodule(name)
-        except AttributeError:
-            continue  # strict loading reports the unexpected key
-        if prune.is_pruned(layer) and hasattr(layer, "weight_mask"):
-            continue
-        with _same_param_slot(layer, "weight", "weight_orig"):
-            prune.custom_from_mask(layer, "weight", mask.to(device=layer.weight.device, dtype=layer.weight.dtype))
-        restored.append(name)
-    return restored
+        """``1 - loss_final / loss_start`` (0 when the start mask had no loss)."""
+        return 0.0 if self.loss_start <= 0 else 1.0 - self.loss_final / self.loss_start
 
 
 def all_reduce_grams(accumulators: Mapping[str, GramAccumulator], device: torch.device | str | None = None) -> None:
-    """Sum every accumulator's Gram and token count over all processes of the default group, in place.
+    """Sum every accumulator's Gram, feature sum (with ``track_sum``), token and sequence counts over all
+    processes of the default group, in place.
 
     Afterwards every rank holds the same Grams (the Gram of all ranks' calibration tokens), so identical
     weights give identical masks. Call on every rank with the same keys in the same order. An accumulator
@@ -125,10 +81,24 @@ def all_reduce_grams(accumulators: Mapping[str, GramAccumulator], device: torch.
     for acc in accumulators.values():
         if acc.gram is None:
             acc.gram = torch.zeros(acc.d_in, acc.d_in, dtype=acc.dtype, device=device or "cpu")
-        count = torch.tensor([acc.n_tokens], dtype=torch.float64, device=acc.gram.device)
+        count = torch.tensor([acc.n_tokens, acc.n_sequences], dtype=torch.float64, device=acc.gram.device)
         dist.all_reduce(acc.gram, op=dist.ReduceOp.SUM)
+        if acc.track_sum:
+            if acc.feature_sum is None:
+                acc.feature_sum = torch.zeros(acc.d_in, dtype=acc.dtype, device=acc.gram.device)
+            dist.all_reduce(acc.feature_sum, op=dist.ReduceOp.SUM)
         dist.all_reduce(count, op=dist.ReduceOp.SUM)
-        acc.n_tokens = int(count.item())
+        acc.n_tokens, acc.n_sequences = (int(c) for c in count.tolist())
+
+
+def _spawns_workers(trainer: pl.Trainer) -> bool:
+    """Whether the fit runs in worker processes started by ``multiprocessing`` (``ddp_spawn``, ``ddp_fork``,
+    ``ddp_notebook``), after which Lightning loads rank 0's state dict into the main process's module."""
+    # Lightning 2.x has no public way to tell: ``Strategy.launcher`` is public, but every launcher class is
+    # private. This is the one private Lightning name the callback uses; keep it here.
+    from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
+
+    return isinstance(getattr(trainer.strategy, "launcher", None), _MultiProcessingLauncher)
 
 
 @contextmanager
@@ -141,6 +111,37 @@ def _eval_mode(module: nn.Module) -> Iterator[None]:
     finally:
         for m, training in modes.items():
             m.train(training)
+
+
+class _Rollback:
+    """Undo for the layers a failed :meth:`SparseSwapsPruning.prune` call changed: :meth:`save` records a layer's
+    state (its dense weights, and its mask if it was pruned before) on the CPU before it is changed; :meth:`restore`
+    puts every saved layer back (the same ``Parameter`` objects, in the same slots), the last changed first."""
+
+    def __init__(self) -> None:
+        self.layers: list[tuple[PrunableLayer, torch.Tensor, torch.Tensor | None]] = []
+
+    def save(self, layer: PrunableLayer) -> None:
+        module = layer.module
+        pruned = prune.is_pruned(module) and hasattr(module, "weight_mask")
+        dense = (module.weight_orig if pruned else module.weight).detach().to("cpu", copy=True)
+        mask = module.weight_mask.detach().to("cpu", copy=True) if pruned else None
+        self.layers.append((layer, dense, mask))
+
+    def restore(self) -> None:
+        for layer, dense, mask in reversed(self.layers):
+            module = layer.module
+            if mask is None:
+                if prune.is_pruned(module) and hasattr(module, "weight_mask"):
+                    with same_param_slot(module, "weight_orig", "weight"):
+                        prune.remove(module, "weight")
+                with torch.no_grad():
+                    module.weight.copy_(dense)
+            else:
+                with torch.no_grad():
+                    module.weight_orig.copy_(dense)
+                replace_weight_mask(module, mask.to(module.weight_mask.device))
+        self.layers.clear()
 
 
 class SparseSwapsPruning(pl.Callback):
@@ -160,10 +161,13 @@ class SparseSwapsPruning(pl.Callback):
     ``ModelPruning("l1_unstructured", amount=0.6)`` -> ``SparseSwapsPruning(sparsity=0.6)``.
 
     Args:
-        sparsity: fraction of each row's weights pruned, in ``[0, 1)``; exclusive with ``nm``.
+        sparsity: fraction of each row's weights pruned, in ``[0, 1)``; exclusive with ``nm`` (changes the
+            budget of ``spec``; default: the spec's, 0.6 for the default spec).
         nm: ``(n, m)``: keep ``n`` of every ``m`` consecutive inputs of each row (e.g. ``(2, 4)``).
-        warmstart: ``"magnitude"``, ``"wanda"`` or ``"ria"``: the mask refinement starts from.
-        max_iters: 1-swap iterations per layer (0: warmstart mask only).
+        spec: how each layer is pruned (:class:`~sparseswaps_prune.core.spec.PruneSpec`; default
+            :data:`~sparseswaps_prune.core.spec.DEFAULT_SPEC`: Wanda start, SparseSwaps T=25, least-squares
+            re-fit of the kept weights, which land in ``weight_orig`` so training continues from them). Build
+            others with :func:`~sparseswaps_prune.core.spec.build_spec`, or change it with ``**options``.
         calibration_batches: batches taken from the calibration dataloader (>= 1).
         include, exclude: fnmatch patterns on qualified module names (as in ``named_modules()``); default:
             every ``nn.Linear`` and transformers ``Conv1D`` in the module, ``lm_head`` included.
@@ -174,15 +178,9 @@ class SparseSwapsPruning(pl.Callback):
             It costs one calibration pass per layer (``n_layers * calibration_batches`` forwards).
         when: ``"fit_start"`` (in ``on_fit_start``, after the optimizers exist) or an epoch number (in
             ``on_train_epoch_start`` of the first epoch ``>= when``).
-        scope: ``"row"`` (each row keeps its count) or ``"layer"`` (only each layer's count; refinement also
-            moves weights between rows).
-        refit: ``"none"`` or ``"ls"``: after a layer's mask is final, re-fit its kept weights by exact per-row
-            least squares on the layer's Gram (ridge ``damp``); the re-fitted weights land in ``weight_orig``
-            (so the masked ``weight`` is ``re-fitted * mask``), and training continues from them.
-        objective: ``"mask"`` (swaps judged with the weights as they are) or ``"refit"`` (judged by the loss
-            after re-fitting; needs ``refit="ls"``).
-        damp: relative ridge dampening of the re-fit, ``lambda = damp * mean(diag G)`` (default ``REFIT_DAMP``,
-            1e-3).
+        **options: flat options changing ``spec`` (:func:`~sparseswaps_prune.core.spec.build_spec`), e.g.
+            ``max_iters=100, weights="keep"`` for the paper's mask-only SparseSwaps, ``start="magnitude"``,
+            ``scope="layer"``, ``objective="refit"``, ``damp=1e-4``.
         make_permanent: at ``on_fit_end``, ``prune.remove`` the reparametrization (zeros written into plain
             ``weight`` parameters). Under spawn-based strategies (``ddp_spawn``, ``ddp_fork``) this is always
             done at the end of fit in the worker processes, so that the module of the main process, into which
@@ -197,7 +195,7 @@ class SparseSwapsPruning(pl.Callback):
     before the masks are computed, so every rank installs the same masks. Resuming with
     ``Trainer.fit(ckpt_path=...)`` re-creates the saved masks before the state dict is loaded and does not
     prune again (the callback's state is ``{"pruned": True}``); for ``load_from_checkpoint`` see
-    :func:`restore_masks`.
+    :func:`~sparseswaps_prune.modules.restore_masks`.
 
     After pruning, ``stats`` maps each layer name to its :class:`LayerStats`; the per-layer losses, swaps and
     seconds also go to every logger of the trainer (``sparseswaps/<layer>/<metric>``) and to ``logging``.
@@ -211,8 +209,7 @@ class SparseSwapsPruning(pl.Callback):
         sparsity: float | None = None,
         *,
         nm: tuple[int, int] | None = None,
-        warmstart: str = "wanda",
-        max_iters: int = 100,
+        spec: PruneSpec = DEFAULT_SPEC,
         calibration_batches: int = 32,
         include: Sequence[str] | None = None,
         exclude: Sequence[str] | None = None,
@@ -220,52 +217,27 @@ class SparseSwapsPruning(pl.Callback):
         mode: str = "one_shot",
         when: str | int = "fit_start",
         make_permanent: bool = False,
-        scope: str = "row",
-        refit: str = "none",
-        objective: str = "mask",
-        damp: float = REFIT_DAMP,
+        **options: Any,
     ) -> None:
-        if sparsity is None and nm is None:
-            raise ValueError("give sparsity= (e.g. 0.6) or nm= (e.g. (2, 4))")
-        if nm is not None:
-            if isinstance(nm, (list, tuple)) and len(nm) == 2:
-                nm = tuple(nm)
-            check_budget(sparsity, nm, nm[1] if isinstance(nm, tuple) and isinstance(nm[1], int) else 1)
-        else:
-            check_budget(sparsity, None, 1)
-        if warmstart not in WARMSTARTS:
-            raise ValueError(f"unknown warmstart {warmstart!r}; choose one of {', '.join(WARMSTARTS)}")
-        for arg, value, low in (("max_iters", max_iters, 0), ("calibration_batches", calibration_batches, 1)):
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"{arg} must be an int, got {value!r}")
-            if value < low:
-                raise ValueError(f"{arg} must be >= {low}, got {value}")
+        if not isinstance(spec, PruneSpec):
+            raise TypeError(f"spec must be a PruneSpec (see build_spec), got {type(spec).__name__}")
+        if sparsity is not None and nm is not None:
+            raise ValueError("give sparsity= (e.g. 0.6) or nm= (e.g. (2, 4)), not both")
+        self.spec = build_spec(spec, sparsity=sparsity, nm=tuple(nm) if isinstance(nm, list) else nm, **options)
+        check_int(calibration_batches, "calibration_batches", low=1)
         if mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
         if isinstance(when, bool) or not (when == "fit_start" or (isinstance(when, int) and when >= 0)):
             raise ValueError(f"when must be 'fit_start' or an epoch number >= 0, got {when!r}")
-        for arg, value, choices in (
-            ("scope", scope, ("row", "layer")),
-            ("refit", refit, ("none", "ls")),
-            ("objective", objective, ("mask", "refit")),
-        ):
-            if value not in choices:
-                raise ValueError(f"{arg} must be one of {', '.join(choices)}, got {value!r}")
-        if objective == "refit" and refit == "none":
-            raise ValueError("objective='refit' chooses masks for re-fitted weights: also pass refit='ls'")
-        if isinstance(damp, bool) or not isinstance(damp, (int, float)) or not damp >= 0:
-            raise ValueError(f"damp must be a number >= 0, got {damp!r}")
         if not isinstance(make_permanent, bool):
             raise TypeError(f"make_permanent must be a bool, got {make_permanent!r}")
         if calibration_dataloader is not None and not isinstance(calibration_dataloader, Iterable):
             raise TypeError(f"calibration_dataloader must be an iterable of batches, got {calibration_dataloader!r}")
-        self.sparsity, self.nm, self.warmstart, self.max_iters = sparsity, nm, warmstart, max_iters
         self.calibration_batches = calibration_batches
-        self.include = _check_patterns(include, "include")
-        self.exclude = _check_patterns(exclude, "exclude")
+        self.include = check_patterns(include, "include")
+        self.exclude = check_patterns(exclude, "exclude")
         self.calibration_dataloader = calibration_dataloader
         self.mode, self.when, self.make_permanent = mode, when, make_permanent
-        self.scope, self.refit, self.objective, self.damp = scope, refit, objective, float(damp)
         self.pruned = False
         self.stats: dict[str, LayerStats] = {}
         self._pruned_names: list[str] = []
@@ -296,7 +268,7 @@ class SparseSwapsPruning(pl.Callback):
         if self._load_hook is not None:
             self._load_hook.remove()
             self._load_hook = None
-        if stage == "fit" and isinstance(getattr(trainer.strategy, "launcher", None), _MultiProcessingLauncher):
+        if stage == "fit" and _spawns_workers(trainer):
             # ddp_spawn / ddp_fork: after teardown Lightning sends rank 0's state dict to the main process and loads
             # it into the (still dense) module there with strict=False, which would drop weight_orig / weight_mask
             # and leave the initial weights in every pruned layer. Plain pruned weights load correctly.
@@ -329,7 +301,7 @@ class SparseSwapsPruning(pl.Callback):
         for name in self._pruned_names:
             module = pl_module.get_submodule(name)
             if prune.is_pruned(module) and hasattr(module, "weight_mask"):
-                with _same_param_slot(module, "weight_orig", "weight"):
+                with same_param_slot(module, "weight_orig", "weight"):
                     prune.remove(module, "weight")
 
     # ---------------------------------------------------------------- pruning
@@ -339,7 +311,11 @@ class SparseSwapsPruning(pl.Callback):
         return find_layers(pl_module, prefix="", include=self.include, exclude=self.exclude)
 
     def prune(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Calibrate and prune now (what the hooks call); sets ``pruned`` and ``stats``."""
+        """Calibrate and prune now (what the hooks call); sets ``pruned`` and ``stats``.
+
+        All or nothing: if any layer fails (e.g. N:M that does not divide its width, a NaN/Inf Gram from NaN/Inf
+        activations), the error is raised with every layer as it was before the call (``one_shot`` checks every
+        layer and computes every mask before installing any; ``sequential`` restores the layers it had pruned)."""
         layers = self.layers(pl_module)
         if not layers:
             raise ValueError(
@@ -349,13 +325,34 @@ class SparseSwapsPruning(pl.Callback):
         dataloader = self._dataloader(trainer, pl_module)
         distributed = trainer.world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized()
         start = time.perf_counter()
-        if self.mode == "one_shot":
-            accs = self._calibrate(pl_module, layers, dataloader, distributed)
-            for layer in layers:
-                self._prune_layer(layer, accs[layer.name])
-        else:
-            for layer in layers:
-                self._prune_layer(layer, self._calibrate(pl_module, [layer], dataloader, distributed)[layer.name])
+        for layer in layers:  # widths vs N:M, before any calibration
+            self._check_layer(layer)
+        stats, rollback = dict(self.stats), _Rollback()
+        try:
+            if self.mode == "one_shot":
+                # Every layer's Gram is checked and every mask and weight computed before any is installed.
+                accs = self._calibrate(pl_module, layers, dataloader, distributed)
+                for layer in layers:
+                    self._check_layer(layer, accs[layer.name])
+                outcomes = [self._prune_layer(layer, accs[layer.name], install=False) for layer in layers]
+                for layer, outcome in zip(layers, outcomes, strict=True):
+                    rollback.save(layer)
+                    self._install(layer, outcome)
+            else:
+                # Each layer needs the ones before it installed: on a failure they are all restored.
+                for layer in layers:
+                    acc = self._calibrate(pl_module, [layer], dataloader, distributed)[layer.name]
+                    self._check_layer(layer, acc)
+                    rollback.save(layer)
+                    self._prune_layer(layer, acc)
+        except BaseException:
+            if rollback.layers:
+                logger.warning(
+                    "SparseSwapsPruning: pruning failed; restoring the %d layer(s) it had pruned", len(rollback.layers)
+                )
+            rollback.restore()
+            self.stats = stats
+            raise
         self.pruned = True
         self._pruned_names = [layer.name for layer in layers]
         self._log(trainer, time.perf_counter() - start)
@@ -394,7 +391,8 @@ class SparseSwapsPruning(pl.Callback):
     def _calibrate(
         self, pl_module: pl.LightningModule, layers: list[PrunableLayer], dataloader: Iterable[Any], distributed: bool
     ) -> dict[str, GramAccumulator]:
-        accs = {layer.name: GramAccumulator(layer.d_in) for layer in layers}
+        track_sum = isinstance(self.spec.refine, DSnoTRefine)  # DSnoT needs activation means
+        accs = {layer.name: GramAccumulator(layer.d_in, track_sum=track_sum) for layer in layers}
         n_batches = 0
         with torch.no_grad(), _eval_mode(pl_module), input_hooks(layers, lambda key, x: accs[key].add(x.detach())):
             for batch in islice(dataloader, self.calibration_batches):
@@ -409,44 +407,58 @@ class SparseSwapsPruning(pl.Callback):
                 raise ValueError(f"SparseSwapsPruning: layer {name} received no input during calibration; exclude it")
         return accs
 
-    def _prune_layer(self, layer: PrunableLayer, acc: GramAccumulator) -> None:
-        start = time.perf_counter()
+    def _check_layer(self, layer: PrunableLayer, acc: GramAccumulator | None = None) -> None:
+        """Raise ``ValueError`` naming ``layer`` if it cannot be pruned: its width against N:M, and with ``acc``
+        its calibration Gram (finite, a Gram matrix)."""
+        budget = self.spec.budget
+        try:
+            check_budget(budget.sparsity, budget.nm, layer.d_in)
+            if acc is not None:
+                check_gram(acc.gram, layer.d_in, what="its calibration Gram")
+        except ValueError as err:
+            raise ValueError(f"SparseSwapsPruning: layer {layer.name}: {err}") from None
+
+    @staticmethod
+    def _install(layer: PrunableLayer, outcome: LayerOutcome) -> None:
+        """Install ``outcome``'s mask (and weights) as ``layer``'s pruning reparametrization."""
+        with same_param_slot(layer.module, "weight", "weight_orig"):
+            apply_mask(layer, outcome.keep_mask, outcome.weight)
+
+    def _prune_layer(self, layer: PrunableLayer, acc: GramAccumulator, install: bool = True) -> LayerOutcome:
         module = layer.module
         weight = layer.weight_2d().detach()
         existing = getattr(module, "weight_mask", None)
-        if existing is None:
-            existing = torch.ones_like(weight, dtype=torch.bool)
-        else:
+        if existing is not None:
             existing = existing.bool().t() if layer.is_transposed else existing.bool()
-        method = SparseSwapsMethod(
-            self.sparsity, grams=[acc.gram], tensors=[(module, "weight")], warmstart=self.warmstart, nm=self.nm,
-            max_iters=self.max_iters, scope=self.scope, refit=self.refit, damp=self.damp, objective=self.objective,
-        )  # fmt: skip
-        gram = acc.gram.to(weight.device)
-        mask = method.layer_mask(weight, existing, gram, layer.name)  # with refit="ls" also the re-fitted weights
-        result = method.results[-1]
-        loss_after = result.loss_after if result.weight is None else weight_losses(weight, result.weight, gram)
-        with _same_param_slot(module, "weight", "weight_orig"):
-            apply_mask(layer, mask, result.weight)
+            existing = None if bool(existing.all()) else existing
+        # DSnoT's update_threshold is on its per-sequence scale (see GramAccumulator.feature_stats)
+        stats = acc.feature_stats(n_samples=acc.n_sequences or None) if acc.track_sum else None
+        outcome = prune_layer(
+            weight, acc.gram.to(weight.device), self.spec, prior_mask=existing, feature_stats=stats, name=layer.name
+        )
+        if install:
+            self._install(layer, outcome)
         self.stats[layer.name] = LayerStats(
             name=layer.name,
-            loss_before=float(result.loss_before.sum()),
-            loss_after=float(loss_after.sum()),
-            swaps=int(result.n_swaps.sum()),
-            sparsity=1.0 - float(mask.float().mean()),
+            loss_start=float(outcome.loss.start.sum()),
+            loss_refined=float(outcome.loss.refined.sum()),
+            loss_final=float(outcome.loss.final.sum()),
+            swaps=int(outcome.n_swaps.sum()),
+            sparsity=1.0 - float(outcome.keep_mask.float().mean()),
             n_tokens=acc.n_tokens,
-            seconds=time.perf_counter() - start,
+            seconds=outcome.seconds_mask + outcome.seconds_weights,
         )
+        return outcome
 
     def _log(self, trainer: pl.Trainer, seconds: float) -> None:
         metrics: dict[str, float] = {}
         for s in self.stats.values():
-            for key in ("loss_before", "loss_after", "swaps", "sparsity", "seconds"):
+            for key in ("loss_start", "loss_refined", "loss_final", "swaps", "sparsity", "seconds"):
                 metrics[f"sparseswaps/{s.name}/{key}"] = float(getattr(s, key))
-        before = sum(s.loss_before for s in self.stats.values())
-        after = sum(s.loss_after for s in self.stats.values())
+        before = sum(s.loss_start for s in self.stats.values())
+        after = sum(s.loss_final for s in self.stats.values())
         metrics.update(
-            {"sparseswaps/loss_before": before, "sparseswaps/loss_after": after, "sparseswaps/seconds": seconds}
+            {"sparseswaps/loss_start": before, "sparseswaps/loss_final": after, "sparseswaps/seconds": seconds}
         )
         for lg in trainer.loggers:
             lg.log_metrics(metrics, step=trainer.global_step)
@@ -454,7 +466,7 @@ class SparseSwapsPruning(pl.Callback):
             for s in self.stats.values():
                 logger.info(
                     "%s: sparsity %.3f, loss %.6g -> %.6g (%.1f%% lower), %d swaps, %.2f s",
-                    s.name, s.sparsity, s.loss_before, s.loss_after, 100 * s.reduction, s.swaps, s.seconds,
+                    s.name, s.sparsity, s.loss_start, s.loss_final, 100 * s.reduction, s.swaps, s.seconds,
                 )  # fmt: skip
             reduction = 0.0 if before <= 0 else 1 - after / before
             logger.info(

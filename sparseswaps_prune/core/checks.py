@@ -7,6 +7,31 @@ import math
 import torch
 
 
+def check_int(value: object, name: str, *, low: int | None = None) -> int:
+    """Return ``value`` if it is an int (not a bool) ``>= low``; else raise naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    if low is not None and value < low:
+        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+    return value
+
+
+def check_number(
+    value: object, name: str, *, low: float | None = None, high: float | None = None, high_open: bool = False
+) -> float:
+    """Return ``value`` as a float if it is a finite real number (not a bool) in ``[low, high]`` (``[low, high)``
+    with ``high_open``); else raise naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    if low is not None and value < low:
+        raise ValueError(f"{name} must be >= {low}, got {value!r}")
+    if high is not None and (value >= high if high_open else value > high):
+        raise ValueError(f"{name} must be {'<' if high_open else '<='} {high}, got {value!r}")
+    return float(value)
+
+
 def check_weight(weight: torch.Tensor, *, what: str = "weight") -> None:
     """Raise unless ``weight`` is a finite floating 2-D tensor ``[d_out, d_in]``."""
     if not isinstance(weight, torch.Tensor):
@@ -18,12 +43,26 @@ def check_weight(weight: torch.Tensor, *, what: str = "weight") -> None:
         )
     if not weight.is_floating_point():
         raise TypeError(f"{what} must be a floating-point tensor, got dtype {weight.dtype}")
+    if weight.device.type == "meta":
+        raise ValueError(f"{what} is a meta tensor (no data); load the weights (e.g. without device_map='meta') first")
+    if weight.numel() == 0:
+        raise ValueError(f"{what} has shape {tuple(weight.shape)}: there is nothing to prune; exclude this layer")
     if not bool(torch.isfinite(weight).all()):
         raise ValueError(f"{what} contains NaN or Inf; fix the model weights before pruning")
 
 
+# Relative tolerance of the Gram's symmetry and Cauchy-Schwarz checks (float32 accumulation rounds G_ij and G_ji
+# differently; a real X^T X never comes near it).
+GRAM_RTOL = 1e-3
+# Rows of the Gram checked at once (bounds the temporaries of the symmetry check).
+GRAM_CHECK_ROWS = 1024
+
+
 def check_gram(gram: torch.Tensor, d_in: int, *, what: str = "gram") -> None:
-    """Raise unless ``gram`` is a finite ``[d_in, d_in]`` float tensor with calibration data in it."""
+    """Raise unless ``gram`` is a finite ``[d_in, d_in]`` float tensor with calibration data in it that can be a
+    Gram matrix ``sum_t x_t x_t^T``: non-negative diagonal, symmetric and ``|G_ij| <= sqrt(G_ii G_jj)``
+    (Cauchy-Schwarz; both up to ``GRAM_RTOL``). These are necessary, not sufficient, for positive
+    semi-definiteness, which the swap search relies on; ``O(d_in^2)``, like reading the Gram once."""
     if not isinstance(gram, torch.Tensor):
         raise TypeError(f"{what} must be a torch.Tensor [d_in, d_in], got {type(gram).__name__}")
     if gram.shape != (d_in, d_in):
@@ -33,13 +72,37 @@ def check_gram(gram: torch.Tensor, d_in: int, *, what: str = "gram") -> None:
         )
     if not gram.is_floating_point():
         raise TypeError(f"{what} must be a floating-point tensor, got dtype {gram.dtype}")
+    if gram.device.type == "meta":
+        raise ValueError(f"{what} is a meta tensor (no data); accumulate it from real calibration inputs")
     if not bool(torch.isfinite(gram).all()):
         raise ValueError(f"{what} contains NaN or Inf; check the calibration activations (fp16 overflow?)")
-    if not bool((torch.diagonal(gram) > 0).any()):
+    diag = torch.diagonal(gram)
+    if bool((diag < 0).any()):
+        bad = torch.nonzero(diag < 0).flatten().tolist()[:5]
+        raise ValueError(
+            f"{what} has negative diagonal entries (inputs {bad}), so it is not a Gram matrix sum_t x_t x_t^T "
+            "(whose G_jj = sum_t x_tj^2 >= 0); pass the Gram of this layer's inputs (GramAccumulator)"
+        )
+    if not bool((diag > 0).any()):
         raise ValueError(
             f"{what} is all zeros: the layer saw no calibration tokens; run calibration data through it "
             "(check that its forward hook fired) before pruning"
         )
+    scale = diag.clamp_min(0).sqrt()
+    for r0 in range(0, d_in, GRAM_CHECK_ROWS):
+        rows = slice(r0, r0 + GRAM_CHECK_ROWS)
+        bound = GRAM_RTOL * scale[rows, None] * scale[None, :]
+        if bool(((gram[rows] - gram[:, rows].T).abs() > bound).any()):
+            raise ValueError(
+                f"{what} is not symmetric (|G_ij - G_ji| above {GRAM_RTOL:g} sqrt(G_ii G_jj)), so it is not a Gram "
+                "matrix sum_t x_t x_t^T; pass the Gram of this layer's inputs, or symmetrise it: (G + G.T) / 2"
+            )
+        if bool((gram[rows].abs() > bound / GRAM_RTOL * (1 + GRAM_RTOL)).any()):
+            raise ValueError(
+                f"{what} has |G_ij| > sqrt(G_ii G_jj), so it is not positive semi-definite and not a Gram matrix "
+                "sum_t x_t x_t^T (losses would be negative and the swap search invalid); pass the Gram of this "
+                "layer's inputs"
+            )
 
 
 def check_mask(mask: torch.Tensor, weight: torch.Tensor, *, what: str = "keep_mask") -> None:
@@ -51,8 +114,9 @@ def check_mask(mask: torch.Tensor, weight: torch.Tensor, *, what: str = "keep_ma
         raise ValueError(f"{what} shape {tuple(mask.shape)} does not match the weight's {tuple(weight.shape)}")
 
 
-def check_budget(sparsity: float | None, nm: tuple[int, int] | None, d_in: int) -> None:
-    """Exactly one of ``sparsity`` in [0, 1) and ``nm = (n, m)`` with ``0 <= n <= m`` and ``m | d_in``."""
+def check_budget(sparsity: float | None, nm: tuple[int, int] | None, d_in: int | None) -> None:
+    """Exactly one of ``sparsity`` in [0, 1) and ``nm = (n, m)`` with ``0 <= n <= m`` and ``m | d_in`` (``d_in``
+    None: no layer width to check against yet)."""
     if (sparsity is None) == (nm is None):
         raise ValueError("give exactly one of sparsity= (e.g. 0.6) or nm= (e.g. (2, 4)), not both or neither")
     if sparsity is not None:
@@ -70,11 +134,22 @@ def check_budget(sparsity: float | None, nm: tuple[int, int] | None, d_in: int) 
         n, m = nm
         if m < 1 or not 0 <= n <= m:
             raise ValueError(f"nm=(n, m) needs m >= 1 and 0 <= n <= m, got {tuple(nm)}")
-        if d_in % m != 0:
+        if d_in is not None and d_in % m != 0:
             raise ValueError(
                 f"nm=({n}, {m}): m={m} does not divide the input width d_in={d_in}; choose m dividing {d_in} "
                 "or exclude this layer"
             )
+
+
+def check_keeps_some(sparsity: float | None, count: int, what: str) -> None:
+    """Raise if keeping ``count - round(sparsity * count)`` of ``count`` weights keeps none (``sparsity`` just
+    below 1 rounds to pruning everything)."""
+    if sparsity is not None and sparsity > 0 and kept_per_row(sparsity, count) == 0:
+        top = (count - 0.5) / count
+        raise ValueError(
+            f"sparsity={sparsity} keeps none of the {count} weights of {what} ({count} - round({sparsity} * {count})"
+            f" = 0); use a sparsity below {top:.6g}"
+        )
 
 
 def kept_per_row(sparsity: float, d_in: int) -> int:

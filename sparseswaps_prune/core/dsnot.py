@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from sparseswaps_prune.core.checks import check_budget, check_mask, check_weight
-from sparseswaps_prune.core.swaps import check_nm_mask
+from sparseswaps_prune.core.refine import check_nm_mask
 
 
 @dataclass

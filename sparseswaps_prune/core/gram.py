@@ -6,7 +6,8 @@ import torch
 
 
 class GramAccumulator:
-    """Sum of ``x x^T`` over the tokens a layer sees, with the token count beside it.
+    """Sum of ``x x^T`` over the tokens a layer sees, with the token count (and, for ``[B, S, d_in]``
+    inputs, the sequence count ``n_sequences``) beside it.
 
     Args:
         d_in: input width of the layer(s) fed by this input.
@@ -33,6 +34,7 @@ class GramAccumulator:
         self.gram: torch.Tensor | None = None
         self.feature_sum: torch.Tensor | None = None
         self.n_tokens = 0
+        self.n_sequences = 0
 
     @torch.no_grad()
     def add(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None) -> None:
@@ -40,6 +42,8 @@ class GramAccumulator:
         (nonzero = real token) drops padded positions."""
         if x.shape[-1] != self.d_in:
             raise ValueError(f"input width {x.shape[-1]} does not match the accumulator's d_in={self.d_in}")
+        if x.dim() == 3:
+            self.n_sequences += x.shape[0]
         if attention_mask is not None:
             x = x[attention_mask.to(device=x.device, dtype=torch.bool)]
         x = x.reshape(-1, self.d_in).to(device=self.device or x.device, dtype=self.dtype)
@@ -63,6 +67,7 @@ class GramAccumulator:
             if self.feature_sum is not None and other.feature_sum is not None:
                 self.feature_sum += other.feature_sum.to(self.feature_sum)
         self.n_tokens += other.n_tokens
+        self.n_sequences += other.n_sequences
         return self
 
     def feature_stats(self, *, n_samples: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

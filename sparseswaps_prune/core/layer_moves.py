@@ -1,4 +1,4 @@
-"""A layer budget instead of a row budget: moves that prune a weight in one row and restore one in another.
+"""The layer-scope planner: which moves of one iteration to apply when only the layer's kept count is conserved.
 
 Rows are independent, so pruning kept ``u`` in row ``i`` and restoring pruned ``p`` in row ``j != i`` changes the
 layer loss by exactly ``remove_i(u) + add_j(p)``:
@@ -12,8 +12,8 @@ Each iteration every row offers its best in-row swap (``swap_i``), its cheapest 
 restore (``add_i``); :func:`plan_moves` then picks the best combination of moves in which every row takes part in
 at most one move (so each move's figure is exact) and every move lowers the loss by more than ``eps``: in-row swaps,
 and cross-row moves pairing a donor row (one removal) with a receiver row (one restore). The layer's total kept
-count is conserved; rows' counts drift. A row's figures depend on that row only, so they are recomputed only for
-rows that moved (or were re-synchronised).
+count is conserved; rows' counts drift. The iteration loop and the row models that supply the figures are in
+:mod:`~sparseswaps_prune.core.refine`.
 
 The combination is optimal: with ``b_i = min(0, swap_i + eps)``, ``delta_i = remove_i + eps/2 - b_i`` and
 ``rho_i = add_i + eps/2 - b_i``, an iteration minimises ``sum_D delta + sum_R rho`` over disjoint donor and receiver
@@ -23,11 +23,6 @@ precede the receivers in the order of ``remove - add`` (an exchange argument), s
 order into a prefix giving its ``n`` smallest ``delta`` and a suffix giving its ``n`` smallest ``rho``
 (``O(N log n)`` with a heap), and the smallest minimiser ``n`` is found by bisection. With that smallest ``n``,
 pairing the donors' removals ascending with the receivers' restores descending makes every pair improving.
-
-Memory: the mask objective keeps ``c`` ``[d_out, d_in]`` float64 for all rows (the swap search runs in row batches).
-The re-fit objective keeps every row's ``H`` and ``Z`` at once, ``8 * d_out * (k^2 + k (d_in - k))`` bytes, refused
-above ``LAYER_STATE_BYTES``; there ``eps`` is raised by ``ACCEPT_RTOL * max_i w_i^T G w_i`` (the rounding floor of
-the float64 state, on the layer's scale since moves compare rows).
 """
 
 from __future__ import annotations
@@ -36,14 +31,6 @@ from dataclasses import dataclass
 
 import numba as nb
 import numpy as np
-import torch
-
-from sparseswaps_prune.core import refit_swaps as rs
-from sparseswaps_prune.core.backends import best_swaps
-from sparseswaps_prune.core.losses import correlation
-
-# objective="refit" with scope="layer" keeps every row's state (H and Z, float64) at once; refuse above this.
-LAYER_STATE_BYTES = 8 << 30
 
 
 @nb.njit(cache=True)
@@ -170,241 +157,3 @@ def plan_moves(swap_dl: np.ndarray, remove: np.ndarray, add: np.ndarray, eps: fl
     busy[donors] = busy[receivers] = True
     swaps = np.nonzero(~busy & (swap_dl < -eps))[0]
     return MovePlan(swaps.astype(np.int64), donors.astype(np.int64), receivers.astype(np.int64))
-
-
-@dataclass
-class Figures:
-    """Per-row move figures (CPU float64 values, int64 handles; handles are model-specific positions)."""
-
-    swap_dl: torch.Tensor
-    swap_a: torch.Tensor
-    swap_b: torch.Tensor
-    remove: torch.Tensor
-    remove_a: torch.Tensor
-    add: torch.Tensor
-    add_b: torch.Tensor
-
-    def update(self, rows: torch.Tensor, other: Figures) -> None:
-        """Overwrite the figures of ``rows`` with ``other`` (in the order of ``rows``), in place."""
-        for name in self.__dataclass_fields__:
-            getattr(self, name)[rows] = getattr(other, name).cpu()
-
-
-class MaskRows:
-    """Mask-only objective for all rows of a layer: keep mask and float64 ``c = G r`` (handles = input indices)."""
-
-    def __init__(
-        self,
-        w64: torch.Tensor,
-        gram64: torch.Tensor,
-        keep: torch.Tensor,
-        *,
-        dtype: torch.dtype,
-        search: str,
-        row_batch: int,
-    ) -> None:
-        """``w64`` ``[N, d]`` float64, ``gram64`` ``[d, d]`` float64 (not modified); ``keep`` ``[N, d]`` bool is
-        updated in place by :meth:`apply`; ``dtype``, ``search``: the swap search's dtype and backend."""
-        self.w64, self.gram64, self.keep = w64, gram64, keep
-        self.w_search, self.gram_search = w64.to(dtype), gram64.to(dtype)
-        self.search, self.row_batch = search, row_batch
-        self.diag = torch.diagonal(gram64)
-        self.corr = torch.empty_like(w64)
-        self.resync(torch.arange(w64.shape[0], device=w64.device))
-
-    def resync(self, rows: torch.Tensor) -> None:
-        """Rebuild ``c`` of ``rows`` from scratch."""
-        for r0 in range(0, rows.numel(), self.row_batch):
-            sub = rows[r0 : r0 + self.row_batch]
-            self.corr[sub] = correlation(self.w64[sub], self.gram64, self.keep[sub])
-
-    def figures(self, rows: torch.Tensor) -> Figures:
-        """Best swap (float64 re-evaluated), cheapest removal and best restore of every row in ``rows``."""
-        if rows.numel() == 0:
-            return _no_figures()
-        parts = [self._figures(rows[r0 : r0 + self.row_batch]) for r0 in range(0, rows.numel(), self.row_batch)]
-        return Figures(*(torch.cat([getattr(p, f) for p in parts]) for f in Figures.__dataclass_fields__))
-
-    def _figures(self, rows: torch.Tensor) -> Figures:
-        w, keep, corr = self.w64[rows], self.keep[rows], self.corr[rows]
-        u, p, _ = best_swaps(
-            self.search, self.w_search[rows], keep, corr.to(self.gram_search.dtype), self.gram_search, None
-        )
-        u, p = u.to(w.device), p.to(w.device)
-        ar = torch.arange(rows.numel(), device=w.device)
-        w_u, w_p, c_u, c_p = w[ar, u], w[ar, p], corr[ar, u], corr[ar, p]
-        exact = (
-            2 * w_u * c_u
-            + w_u * w_u * self.diag[u]
-            - 2 * w_p * c_p
-            + w_p * w_p * self.diag[p]
-            - 2 * w_u * w_p * self.gram64[u, p]
-        )
-        feasible = keep[ar, u] & ~keep[ar, p] & (w_p != 0)
-        own = w * w * self.diag
-        remove = torch.where(keep, 2 * w * corr + own, float("inf"))
-        add = torch.where(~keep & (w != 0), own - 2 * w * corr, float("inf"))
-        rem_low, rem_u = remove.min(dim=1)  # first index on ties: the smallest u
-        add_low, add_p = add.min(dim=1)
-        out = (torch.where(feasible, exact, float("inf")), u, p, rem_low, rem_u, add_low, add_p)
-        return Figures(*(t.cpu() for t in out))
-
-    def apply(
-        self, swaps: tuple[torch.Tensor, ...], donors: tuple[torch.Tensor, ...], receivers: tuple[torch.Tensor, ...]
-    ) -> None:
-        """Apply ``(rows, u, p)`` swaps, ``(rows, u)`` removals and ``(rows, p)`` restores, in place."""
-        rows, u, p = swaps
-        self.keep[rows, u] = False
-        self.keep[rows, p] = True
-        self.corr[rows] += self.w64[rows, u, None] * self.gram64[u] - self.w64[rows, p, None] * self.gram64[p]
-        rows, u = donors
-        self.keep[rows, u] = False
-        self.corr[rows] += self.w64[rows, u, None] * self.gram64[u]
-        rows, p = receivers
-        self.keep[rows, p] = True
-        self.corr[rows] -= self.w64[rows, p, None] * self.gram64[p]
-
-    def result(self) -> tuple[torch.Tensor, None]:
-        """The refined ``[N, d]`` mask (and no re-fitted weights)."""
-        return self.keep, None
-
-
-class RefitRows:
-    """Re-fit objective for all rows of a layer: one :class:`~sparseswaps_prune.core.refit_swaps.RefitState`
-    (handles = slots); slots are added when a receiver row is full."""
-
-    def __init__(
-        self, w64: torch.Tensor, gram64: torch.Tensor, keep: torch.Tensor, *, lam: float, row_batch: int
-    ) -> None:
-        """As :class:`MaskRows`; ``lam``: absolute damping; ``row_batch``: rows per Cholesky rebuild.
-        Raises ValueError when the state would exceed ``LAYER_STATE_BYTES``."""
-        rows, d = keep.shape
-        counts = keep.sum(dim=1)
-        self.k_slots = min(d, int(counts.max()) + 1)
-        self.q_slots = min(d, int((d - counts).max()) + 1)
-        need = rows * (self.k_slots**2 + self.k_slots * self.q_slots) * 8
-        if need > LAYER_STATE_BYTES:
-            raise ValueError(
-                f"objective='refit' with scope='layer' keeps every row's re-fit state at once: about "
-                f"{need / 2**30:.1f} GiB for this [{rows}, {d}] layer, over the {LAYER_STATE_BYTES / 2**30:.0f} GiB "
-                "limit (layer_moves.LAYER_STATE_BYTES); use scope='row' (memory bounded by row_batch) or "
-                "objective='mask'"
-            )
-        self.w64, self.gram64, self.keep, self.lam, self.row_batch = w64, gram64, keep, lam, row_batch
-        self.pivot_floor = rs.pivot_floor(gram64, lam)
-        self.state = _empty_state(rows, self.k_slots, self.q_slots, w64.device)
-        self.resync(torch.arange(rows, device=w64.device))
-        self.fitted_before = rs.fitted_weights(self.state, d)
-
-    def resync(self, rows: torch.Tensor) -> None:
-        """Rebuild the state of ``rows`` from scratch (Cholesky), in row batches."""
-        for r0 in range(0, rows.numel(), self.row_batch):
-            sub = rows[r0 : r0 + self.row_batch]
-            fresh = rs.build_state(
-                self.w64[sub], self.keep[sub], self.gram64, self.lam, self.k_slots, self.q_slots, row_offset=sub
-            )
-            self.state.assign(sub, fresh)
-
-    def figures(self, rows: torch.Tensor) -> Figures:
-        """Best swap, cheapest removal and best restore of every row in ``rows`` (handles are slots)."""
-        swap_dl, slot_i, slot_j = rs.scan_swaps(self.state, self.w64, rows, self.pivot_floor)
-        remove, remove_i = rs.best_removals(self.state, rows)
-        add, add_j = rs.best_additions(self.state, self.w64, rows, self.pivot_floor)
-        return Figures(*(t.cpu() for t in (swap_dl, slot_i, slot_j, remove, remove_i, add, add_j)))
-
-    def _reserve(self, donors: torch.Tensor, receivers: torch.Tensor) -> None:
-        """Add vacant slots when a donor has no vacant pruned slot or a receiver no vacant kept slot."""
-        d = self.w64.shape[1]
-        k_full = bool((self.state.kept_ok[receivers].all(dim=1)).any()) if receivers.numel() else False
-        q_full = bool((self.state.pruned_ok[donors].all(dim=1)).any()) if donors.numel() else False
-        if k_full or q_full:
-            self.k_slots = min(d, self.k_slots + (max(1, self.k_slots // 16) if k_full else 0))
-            self.q_slots = min(d, self.q_slots + (max(1, self.q_slots // 16) if q_full else 0))
-            self.state = rs.grow(self.state, self.k_slots, self.q_slots)
-
-    def apply(
-        self, swaps: tuple[torch.Tensor, ...], donors: tuple[torch.Tensor, ...], receivers: tuple[torch.Tensor, ...]
-    ) -> None:
-        """Apply ``(rows, i, j)`` swaps, ``(rows, i)`` removals and ``(rows, j)`` restores (slots), in place."""
-        self._reserve(donors[0], receivers[0])
-        rows, slot_i, slot_j = swaps
-        u, p = rs.swap_slots(self.state, rows, slot_i, slot_j, self.gram64)
-        self.keep[rows, u] = False
-        self.keep[rows, p] = True
-        rows, slot_i = donors
-        vacant = (~self.state.pruned_ok[rows]).to(torch.int8).argmax(dim=1)
-        incoming = rs.remove_kept(self.state, rows, slot_i)
-        rs.place_pruned(self.state, rows, vacant, incoming)
-        self.keep[rows, incoming[0]] = False
-        rows, slot_j = receivers
-        p = self.state.pruned[rows, slot_j]
-        vacant = (~self.state.kept_ok[rows]).to(torch.int8).argmax(dim=1)
-        rs.add_pruned(self.state, rows, slot_j, vacant, self.gram64)
-        self.keep[rows, p] = True
-
-    def result(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The refined ``[N, d]`` mask and its re-fitted weights (float64, zero off the mask)."""
-        return self.keep, rs.fitted_weights(self.state, self.w64.shape[1])
-
-
-def _no_figures() -> Figures:
-    empty = torch.zeros(0, dtype=torch.float64)
-    index = torch.zeros(0, dtype=torch.long)
-    return Figures(empty, index, index, empty, index, empty, index)
-
-
-def _empty_state(rows: int, k_slots: int, q_slots: int, device: torch.device) -> rs.RefitState:
-    """An all-vacant state (filled by :meth:`RefitRows.resync`)."""
-    f64 = {"dtype": torch.float64, "device": device}
-    return rs.RefitState(
-        kept=torch.zeros(rows, k_slots, dtype=torch.long, device=device),
-        kept_ok=torch.zeros(rows, k_slots, dtype=torch.bool, device=device),
-        pruned=torch.zeros(rows, q_slots, dtype=torch.long, device=device),
-        pruned_ok=torch.zeros(rows, q_slots, dtype=torch.bool, device=device),
-        inv=torch.zeros(rows, k_slots, k_slots, **f64),
-        coef=torch.zeros(rows, k_slots, **f64),
-        resid=torch.zeros(rows, q_slots, **f64),
-        schur=torch.ones(rows, q_slots, **f64),
-        z=torch.zeros(rows, k_slots, q_slots, **f64),
-    )
-
-
-def refine_layer(
-    model: MaskRows | RefitRows, *, max_iters: int, eps: float, resync_every: int
-) -> tuple[torch.Tensor, int]:
-    """Layer-budget iteration loop on ``model`` (updated in place) until no move improves or ``max_iters``.
-
-    Returns the per-row move counts ``[N]`` int64 (a cross-row move counts once in each of its two rows) and the
-    number of iterations that applied at least one move.
-    """
-    n_rows = model.w64.shape[0]
-    device = model.w64.device
-    all_rows = torch.arange(n_rows, device=device)
-    figures = model.figures(all_rows)
-    n_moves = torch.zeros(n_rows, dtype=torch.long)
-    dirty = torch.zeros(n_rows, dtype=torch.bool)
-    iters = 0
-    for it in range(1, max_iters + 1):
-        plan = plan_moves(figures.swap_dl.numpy(), figures.remove.numpy(), figures.add.numpy(), eps)
-        if plan.empty:
-            break
-        iters += 1
-        swap_rows, donors, receivers = (
-            torch.from_numpy(r) for r in (plan.swap_rows, plan.donor_rows, plan.receiver_rows)
-        )
-        model.apply(
-            (swap_rows.to(device), figures.swap_a[swap_rows].to(device), figures.swap_b[swap_rows].to(device)),
-            (donors.to(device), figures.remove_a[donors].to(device)),
-            (receivers.to(device), figures.add_b[receivers].to(device)),
-        )
-        changed = torch.cat([swap_rows, donors, receivers])
-        n_moves[changed] += 1
-        dirty[changed] = True
-        if it % resync_every == 0:
-            refresh = torch.nonzero(dirty).flatten()
-            model.resync(refresh.to(device))
-            dirty[:] = False
-        else:
-            refresh = changed
-        figures.update(refresh, model.figures(refresh.to(device)))
-    return n_moves, iters

@@ -3,14 +3,15 @@
 Two solvers for the same problem: ``"direct"`` (batched float64 Cholesky of every row's ``G_SS``, exact,
 ``O(k^3)`` per row) and ``"cg"`` (batched Jacobi-preconditioned conjugate gradients, warm-started from the
 kept original weights; one ``[rows, d_in] @ [d_in, d_in]`` product per step shares ``G`` across all rows,
-so wide layers such as a 14336-input ``down_proj`` stay cheap).
+so wide layers such as a 14336-input ``down_proj`` stay cheap). :func:`factor_kept`, the kept-set Cholesky of the
+direct solver, is shared with the re-fit objective's swap state (:mod:`~sparseswaps_prune.core.refit_swaps`).
 """
 
 from __future__ import annotations
 
 import torch
 
-from sparseswaps_prune.core.checks import check_gram, check_mask, check_weight
+from sparseswaps_prune.core.checks import check_gram, check_int, check_mask, check_number, check_weight
 
 # Elements of the [rows, k, k] systems solved at once when the caller gives no row_batch (256 MiB float64).
 SYSTEM_ELEMENTS = 1 << 25
@@ -18,6 +19,57 @@ SYSTEM_ELEMENTS = 1 << 25
 # mean(diag G), so lambda = 0.01 * mean(diag G) already shrinks the re-fit hard: on SmolLM2's layers 1e-2 gives
 # about 1.5x the held-out loss of 1e-3 to 1e-5 (RESULTS.md, benchmarks/layer_study.py).
 REFIT_DAMP = 1e-3
+
+
+def damping(gram64: torch.Tensor, damp: float) -> float:
+    """Absolute damping ``lambda = damp * mean(diag G)`` of the relative ``damp`` (``gram64``: ``[d, d]``)."""
+    return damp * float(torch.diagonal(gram64).mean())
+
+
+def factor_kept(
+    gram64: torch.Tensor,
+    keep: torch.Tensor,
+    lam: float,
+    n_slots: int,
+    *,
+    row_offset: int | torch.Tensor = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Cholesky factor of every row's kept-set system ``G_SS + lambda I``, padded to ``n_slots`` slots.
+
+    Args:
+        gram64: ``[d, d]`` float64 Gram matrix; keep: ``[R, d]`` bool kept mask (neither modified).
+        lam: absolute damping ``lambda`` (:func:`damping`).
+        n_slots: slot count ``K >= max_i k_i``; rows keeping fewer inputs get an identity block in the spare slots.
+        row_offset: layer index of row 0 (an int), or ``[R]`` int64 layer indices, for the error message.
+
+    Returns:
+        ``slots`` ``[R, K]`` int64: each row's kept inputs ascending, then (spare slots) its first pruned inputs;
+        ``valid`` ``[R, K]`` bool: the slot holds a kept input; ``factor`` ``[R, K, K]`` float64 lower Cholesky
+        factor of ``G_SS + lambda I`` (identity rows and columns at spare slots).
+
+    Raises:
+        ValueError: ``G_SS + lambda I`` is not positive definite for some rows (names them; raise ``damp``).
+    """
+    counts = keep.sum(dim=1)
+    # kept inputs first (ascending), then the pruned ones
+    slots = torch.sort((~keep).to(torch.int8), dim=1, stable=True).indices[:, :n_slots]
+    valid = torch.arange(n_slots, device=keep.device) < counts[:, None]
+    system = gram64[slots[:, :, None], slots[:, None, :]]
+    system.diagonal(dim1=1, dim2=2).add_(lam)
+    padded = counts < n_slots
+    if bool(padded.any()):
+        pair_valid = valid[padded, :, None] & valid[padded, None, :]
+        eye = torch.eye(n_slots, dtype=torch.float64, device=keep.device)
+        system[padded] = torch.where(pair_valid, system[padded], eye)
+    factor, info = torch.linalg.cholesky_ex(system)
+    if bool((info != 0).any()):
+        bad = torch.nonzero(info).flatten()
+        named = (row_offset[bad] if isinstance(row_offset, torch.Tensor) else bad + row_offset).tolist()[:5]
+        raise ValueError(
+            f"G_SS + lambda I is singular for rows {named} (kept inputs with no calibration signal or collinear, "
+            f"lambda={lam:.3g}); use damp > 0"
+        )
+    return slots, valid, factor
 
 
 def refit_weights(
@@ -42,7 +94,7 @@ def refit_weights(
     Args:
         weight: ``[d_out, d_in]`` float tensor (not modified).
         gram: ``[d_in, d_in]`` Gram matrix of the layer inputs (not modified).
-        keep_mask: ``[d_out, d_in]`` bool, True = kept.
+        keep_mask: ``[d_out, d_in]`` bool, True = kept (not modified).
         damp: relative dampening (0 allowed when every ``G_SS`` is positive definite).
         row_batch: rows solved together (default bounds the ``[rows, k, k]`` systems to ~256 MiB for
             ``"direct"``; all rows at once for ``"cg"``).
@@ -53,18 +105,20 @@ def refit_weights(
         ``[d_out, d_in]`` tensor of ``weight``'s dtype and device, exactly zero where ``keep_mask`` is False.
 
     Raises:
-        ValueError: bad shapes, NaN, ``damp < 0``, or a singular ``G_SS`` (names the rows; raise ``damp``).
+        ValueError / TypeError: bad shapes, NaN, ``damp`` not a number ``>= 0``, ``row_batch`` not an int ``>= 1``,
+            an unknown ``solver``, or (``"direct"``) a singular ``G_SS + lambda I`` (names the rows; raise ``damp``).
     """
     check_weight(weight)
     d_out, d_in = weight.shape
     check_gram(gram, d_in)
     check_mask(keep_mask, weight)
-    if not damp >= 0:
-        raise ValueError(f"damp must be >= 0, got {damp!r}")
+    check_number(damp, "damp", low=0)
+    if row_batch is not None:
+        check_int(row_batch, "row_batch", low=1)
     if solver not in ("direct", "cg"):
         raise ValueError(f"solver must be 'direct' or 'cg', got {solver!r}")
     gram64 = gram.detach().to(device=weight.device, dtype=torch.float64)
-    lam = damp * float(torch.diagonal(gram64).mean())
+    lam = damping(gram64, damp)
     target = weight.detach().to(torch.float64) @ gram64  # (G w)_j for every row, G symmetric
     if solver == "cg":
         return _refit_cg(weight, gram64, keep_mask.to(weight.device), target, lam, max_steps, tol).to(weight.dtype)
@@ -76,25 +130,8 @@ def refit_weights(
     for r0 in range(0, d_out, row_batch):
         rows = slice(r0, min(d_out, r0 + row_batch))
         keep = keep_mask[rows].to(weight.device)
-        counts = keep.sum(dim=1)
-        # kept indices first (ascending), padding after; padded slots get an identity system and a zero target
-        order = torch.sort((~keep).to(torch.int8), dim=1, stable=True).indices[:, :k_max]
-        valid = torch.arange(k_max, device=weight.device) < counts[:, None]
-        system = gram64[order[:, :, None], order[:, None, :]]
-        system.diagonal(dim1=1, dim2=2).add_(lam)
-        padded = counts < k_max
-        if bool(padded.any()):
-            pair_valid = valid[padded, :, None] & valid[padded, None, :]
-            eye = torch.eye(k_max, dtype=torch.float64, device=weight.device)
-            system[padded] = torch.where(pair_valid, system[padded], eye)
-        rhs = torch.where(valid, target[rows].gather(1, order), 0.0)
-        factor, info = torch.linalg.cholesky_ex(system)
-        if bool((info != 0).any()):
-            bad = (torch.nonzero(info).flatten() + r0).tolist()[:5]
-            raise ValueError(
-                f"G_SS is singular for rows {bad} (kept inputs with no calibration signal or collinear); "
-                f"use damp > 0 (got damp={damp})"
-            )
+        order, valid, factor = factor_kept(gram64, keep, lam, k_max, row_offset=r0)
+        rhs = torch.where(valid, target[rows].gather(1, order), 0.0)  # spare slots: identity system, zero target
         # two triangular solves: ~10x faster than batched cholesky_solve with one right-hand side on CPU
         half = torch.linalg.solve_triangular(factor, rhs[:, :, None], upper=False)
         solution = torch.linalg.solve_triangular(factor.mT, half, upper=True).squeeze(2)

@@ -26,6 +26,9 @@ and ``u`` into ``p``'s pruned slot, so slot order is arbitrary; ties are still b
 Pruned weights that are exactly zero are never restored (as in the mask-only search), and a restore whose new pivot
 ``s`` would fall below ``PIVOT_RTOL * (G_pp + lambda)`` (a kept set whose ``G_SS + lambda I`` is numerically
 singular, only possible with ``damp = 0``) is not considered.
+
+This module holds the state and its exact updates; the iteration loop that drives it (both scopes) is
+:mod:`~sparseswaps_prune.core.refine`.
 """
 
 from __future__ import annotations
@@ -34,8 +37,8 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from sparseswaps_prune.core.checks import check_gram, check_mask, check_weight
-from sparseswaps_prune.core.refit import REFIT_DAMP
+from sparseswaps_prune.core.checks import check_gram, check_mask, check_number, check_weight
+from sparseswaps_prune.core.refit import REFIT_DAMP, damping, factor_kept
 
 # Elements of the [rows, k, d_in - k] state Z per row batch when the caller gives no row_batch (128 MiB float64).
 REFIT_ELEMENTS = 1 << 24
@@ -79,11 +82,6 @@ class RefitState:
             getattr(self, f.name)[rows] = getattr(other, f.name)
 
 
-def damping(gram64: torch.Tensor, damp: float) -> float:
-    """``lambda = damp * mean(diag G)``, as :func:`~sparseswaps_prune.core.refit.refit_weights`."""
-    return damp * float(torch.diagonal(gram64).mean())
-
-
 def build_state(
     w64: torch.Tensor,
     keep: torch.Tensor,
@@ -97,37 +95,30 @@ def build_state(
     """Re-fit state of every row from scratch, ``O(k^2 (d_in - k) + k^3)`` per row.
 
     Args:
-        w64: ``[R, d]`` float64 weights; keep: ``[R, d]`` bool kept mask (not modified).
+        w64: ``[R, d]`` float64 weights; keep: ``[R, d]`` bool kept mask (neither modified).
         gram64: ``[d, d]`` float64 Gram matrix; lam: absolute damping ``lambda``.
         n_kept_slots, n_pruned_slots: slot counts ``K >= max k_i`` and ``Q >= max (d - k_i)``.
         row_offset: layer index of row 0 (an int), or ``[R]`` layer indices, for error messages.
+
+    Returns:
+        A new :class:`RefitState` (float64 on ``w64``'s device).
 
     Raises:
         ValueError: ``G_SS + lambda I`` is not positive definite for some rows (names them; raise ``damp``).
     """
     d = keep.shape[1]
     dev = w64.device
-    k_slots, q_slots = n_kept_slots, n_pruned_slots
+    q_slots = n_pruned_slots
     counts = keep.sum(dim=1)
-    # kept inputs first (ascending), then the pruned ones; and the reverse for the pruned slots
-    kept = torch.sort((~keep).to(torch.int8), dim=1, stable=True).indices[:, :k_slots]
-    pruned = torch.sort(keep.to(torch.int8), dim=1, stable=True).indices[:, :q_slots]
-    kept_ok = torch.arange(k_slots, device=dev) < counts[:, None]
-    pruned_ok = torch.arange(q_slots, device=dev) < (d - counts)[:, None]
+    kept, kept_ok, factor = factor_kept(gram64, keep, lam, n_kept_slots, row_offset=row_offset)
     kept = torch.where(kept_ok, kept, 0)
+    # pruned inputs first (ascending), then the kept ones
+    pruned = torch.sort(keep.to(torch.int8), dim=1, stable=True).indices[:, :q_slots]
+    pruned_ok = torch.arange(q_slots, device=dev) < (d - counts)[:, None]
     pruned = torch.where(pruned_ok, pruned, 0)
 
     pair_ok = kept_ok[:, :, None] & kept_ok[:, None, :]
-    eye = torch.eye(k_slots, dtype=torch.float64, device=dev)
-    system = torch.where(pair_ok, gram64[kept[:, :, None], kept[:, None, :]] + lam * eye, eye)
-    factor, info = torch.linalg.cholesky_ex(system)
-    if bool((info != 0).any()):
-        bad = torch.nonzero(info).flatten()
-        named = (row_offset[bad] if isinstance(row_offset, torch.Tensor) else bad + row_offset).tolist()[:5]
-        raise ValueError(
-            f"G_SS + lambda I is singular for rows {named} (kept inputs with no calibration signal or collinear, "
-            f"lambda={lam:.3g}); use damp > 0 for objective='refit'"
-        )
+    eye = torch.eye(n_kept_slots, dtype=torch.float64, device=dev)
     target = w64 @ gram64  # b = G w, G symmetric
     # batched cholesky_inverse is ~40x slower than a Cholesky solve against I on the CPU (torch 2.13)
     inv = torch.cholesky_solve(eye.expand_as(factor), factor) * pair_ok
@@ -400,8 +391,7 @@ def refit_objective(
     check_weight(weight)
     check_gram(gram, weight.shape[1])
     check_mask(keep_mask, weight)
-    if not damp >= 0:
-        raise ValueError(f"damp must be >= 0, got {damp!r}")
+    check_number(damp, "damp", low=0)
     gram64 = gram.detach().to(device=weight.device, dtype=torch.float64)
     w64 = weight.detach().to(torch.float64)
     keep = keep_mask.to(weight.device)
@@ -411,50 +401,3 @@ def refit_objective(
     target = w64 @ gram64
     kept_target = torch.where(state.kept_ok, target.gather(1, state.kept), 0.0)
     return (target * w64).sum(dim=1) - (kept_target * state.coef).sum(dim=1)
-
-
-def refine_refit_rows(
-    w64: torch.Tensor,
-    gram64: torch.Tensor,
-    keep: torch.Tensor,
-    *,
-    lam: float,
-    max_iters: int,
-    eps: float,
-    m: int | None,
-    resync_every: int,
-    row_offset: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Swap loop of one row batch under the re-fit objective; ``keep`` ``[R, d]`` is updated in place.
-
-    Every iteration applies each active row's best swap when it lowers ``F`` by more than
-    ``eps + ACCEPT_RTOL * w^T G w``; a row without such a swap retires. Returns the swap counts ``[R]`` int64 and
-    the re-fitted weights of the input and of the final mask (``[R, d]`` float64).
-    """
-    rows, d = keep.shape
-    counts = keep.sum(dim=1)
-    k_slots = int(counts.max()) if rows else 0
-    q_slots = int((d - counts).max()) if rows else 0
-    state = build_state(w64, keep, gram64, lam, k_slots, q_slots, row_offset=row_offset)
-    fitted_before = fitted_weights(state, d)
-    floor = eps + ACCEPT_RTOL * ((w64 @ gram64) * w64).sum(dim=1)
-    floor_pivot = pivot_floor(gram64, lam)
-    active = torch.arange(rows, device=w64.device)
-    n_swaps = torch.zeros(rows, dtype=torch.long, device=w64.device)
-    it = 0
-    while it < max_iters and active.numel() > 0:
-        it += 1
-        if it % resync_every == 0:
-            fresh = build_state(
-                w64[active], keep[active], gram64, lam, k_slots, q_slots, row_offset=active + row_offset
-            )
-            state.assign(active, fresh)
-        dl, slot_i, slot_j = scan_swaps(state, w64, active, floor_pivot, m)
-        accept = dl < -floor[active]
-        moving = active[accept]
-        u, p = swap_slots(state, moving, slot_i[accept], slot_j[accept], gram64)
-        keep[moving, u] = False
-        keep[moving, p] = True
-        n_swaps[moving] += 1
-        active = moving
-    return n_swaps, fitted_before, fitted_weights(state, d)

@@ -19,7 +19,7 @@ from typing import Literal
 import torch
 
 from sparseswaps_prune.core.checks import check_budget, check_gram, check_mask, check_weight
-from sparseswaps_prune.core.warmstart import keep_top
+from sparseswaps_prune.core.select import keep_top
 
 # SparseGPT's dampening: damp * mean(diag H) is added to the Hessian's diagonal (the original's percdamp).
 SPARSEGPT_DAMP = 0.01

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from sparseswaps_prune.extras import require
 from sparseswaps_prune.finetune.adapters import (
     ADAPTER_KINDS,
     AdapterHook,
@@ -51,6 +52,7 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     if name == "CausalLMModule":  # imports lightning, so only on first use
+        require("lightning", "lightning")
         from sparseswaps_prune.finetune.lightning_module import CausalLMModule
 
         return CausalLMModule

@@ -36,9 +36,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import prune
-from transformers.pytorch_utils import Conv1D
 
-from sparseswaps_prune.llm.layers import PrunableLayer, _check_patterns, find_blocks, find_layers
+from sparseswaps_prune.llm.layers import find_blocks
+from sparseswaps_prune.modules import PrunableLayer, check_patterns, find_layers, is_transposed
 
 logger = logging.getLogger(__name__)
 
@@ -91,10 +91,6 @@ class AdapterHook:
 def _hook(module: nn.Module) -> AdapterHook | None:
     hook = getattr(module, _HOOK_ATTR, None)
     return hook if isinstance(hook, AdapterHook) else None
-
-
-def _is_transposed(module: nn.Module) -> bool:
-    return isinstance(module, Conv1D)
 
 
 def _is_reparametrized(module: nn.Module) -> bool:
@@ -150,7 +146,7 @@ def adapter_delta(module: nn.Module) -> torch.Tensor:
     if hook is None:
         raise ValueError(f"{type(module).__name__} has no adapter; attach one with attach_adapters(model)")
     update = module.adapter_B @ module.adapter_A  # [d_out, d_in]
-    transposed = _is_transposed(module)
+    transposed = is_transposed(module)
     if hook.kind == "masklora":
         mask = adapter_mask(module)
         mask = mask.t() if transposed else mask
@@ -172,7 +168,7 @@ def effective_weight(module: nn.Module) -> torch.Tensor:
     """
     with torch.no_grad():
         weight = _current_weight(module)
-        weight = weight.t() if _is_transposed(module) else weight
+        weight = weight.t() if is_transposed(module) else weight
         if _hook(module) is not None:
             weight = weight + adapter_delta(module).to(weight.dtype)
         return weight.detach()
@@ -209,8 +205,8 @@ def select_layers(
         TypeError: ``include`` / ``exclude`` is a single string.
         ValueError: nothing is selected, or ``include`` is ``None`` and ``model`` has no decoder blocks.
     """
-    include = _check_patterns(include, "include")
-    exclude = _check_patterns(exclude, "exclude")
+    include = check_patterns(include, "include")
+    exclude = check_patterns(exclude, "exclude")
     if include is not None:
         layers = find_layers(model, prefix="", include=include, exclude=exclude)
     else:
@@ -334,7 +330,7 @@ def merge_adapters(model: nn.Module) -> list[str]:
         hook = _hook(module)
         mask = adapter_mask(module)
         delta = adapter_delta(module)
-        delta = delta.t() if _is_transposed(module) else delta
+        delta = delta.t() if is_transposed(module) else delta
         if _is_reparametrized(module):
             module.weight_orig.add_(delta.to(module.weight_orig.dtype))
             module.weight = module.weight_orig * module.weight_mask

@@ -10,9 +10,9 @@ import lightning.pytorch as pl
 import torch
 from torch import nn
 
-from sparseswaps_prune.callbacks.sparseswaps import restore_masks
 from sparseswaps_prune.finetune.adapters import ADAPTER_KINDS, attach_adapters, merge_adapters
 from sparseswaps_prune.finetune.perp import mark_trainable
+from sparseswaps_prune.modules import restore_masks
 
 logger = logging.getLogger(__name__)
 

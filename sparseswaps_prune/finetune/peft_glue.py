@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 from torch.nn.utils import prune
-from transformers.pytorch_utils import Conv1D
 
+from sparseswaps_prune.extras import require
 from sparseswaps_prune.finetune.adapters import adapted_modules, select_layers
 
 if TYPE_CHECKING:
@@ -69,6 +69,7 @@ def add_lora(
         ValueError: ``rank`` < 1, no layer selected, or the model has MaskLoRA / ScaleLoRA adapters.
         TypeError: ``rank`` is not an int.
     """
+    require("finetune", "peft")
     from peft import LoraConfig, get_peft_model
 
     if isinstance(rank, bool) or not isinstance(rank, int):
@@ -83,7 +84,7 @@ def add_lora(
         lora_alpha=rank if alpha is None else alpha,
         lora_dropout=dropout,
         target_modules=[layer.name for layer in layers],
-        fan_in_fan_out=all(isinstance(layer.module, Conv1D) for layer in layers),
+        fan_in_fan_out=all(layer.is_transposed for layer in layers),
         bias="none",
     )
     logger.info("peft LoRA (rank %d) on %d layers", rank, len(layers))
@@ -111,6 +112,7 @@ def merge_lora_keep_sparsity(peft_model: PeftModel) -> nn.Module:
         TypeError: ``peft_model`` is not a ``peft.PeftModel``.
         ValueError: it has no LoRA layer.
     """
+    require("finetune", "peft")
     from peft import PeftModel
     from peft.tuners.lora import LoraLayer
 

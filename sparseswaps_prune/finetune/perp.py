@@ -12,16 +12,13 @@ import sys
 from dataclasses import dataclass, field
 
 from torch import nn
-from transformers.pytorch_utils import Conv1D
 
 from sparseswaps_prune.finetune.adapters import adapted_modules
+from sparseswaps_prune.modules import linear_types
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["TrainableSelection", "mark_trainable", "parameter_groups"]
-
-_WEIGHT_MODULES = (nn.Linear, Conv1D, nn.Embedding, nn.EmbeddingBag)
-
 
 @dataclass
 class TrainableSelection:
@@ -51,7 +48,8 @@ def _is_norm(module: nn.Module) -> bool:
     """A normalisation layer: a module whose own ``weight`` is 1-D (LayerNorm, RMSNorm, transformers'
     LlamaRMSNorm, GPT-2's ``ln_*``, BatchNorm, GroupNorm); linear and embedding layers never are."""
     weight = module._parameters.get("weight")
-    return weight is not None and weight.dim() == 1 and not isinstance(module, _WEIGHT_MODULES)
+    weight_modules = (*linear_types(), nn.Embedding, nn.EmbeddingBag)
+    return weight is not None and weight.dim() == 1 and not isinstance(module, weight_modules)
 
 
 def _peft_adapter_params(model: nn.Module) -> dict[int, str]:

@@ -24,13 +24,13 @@ import inspect
 import logging
 import math
 import os
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
-from transformers.cache_utils import Cache
 
 from sparseswaps_prune.atomic import save_torch
 
@@ -309,10 +309,19 @@ def _normalize_call(
         else:
             call[name] = value
     hidden = bound[hidden_name]
-    call = {k: v for k, v in call.items() if k not in _CACHE_ARGS and not isinstance(v, Cache)}
+    cache_types = _cache_types()
+    call = {k: v for k, v in call.items() if k not in _CACHE_ARGS and not isinstance(v, cache_types)}
     if "use_cache" in params or "use_cache" in call:
         call["use_cache"] = False
     return hidden, call
+
+
+def _cache_types() -> tuple[type, ...]:
+    """transformers' ``Cache`` class if transformers has loaded it (a model can hold a KV cache only then), else
+    nothing; so that this module does not import transformers."""
+    cache_utils = sys.modules.get("transformers.cache_utils")
+    cache = getattr(cache_utils, "Cache", None)
+    return () if cache is None else (cache,)
 
 
 def _input_device(model: nn.Module) -> torch.device:

@@ -29,6 +29,8 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 
+from sparseswaps_prune.extras import require
+
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
@@ -366,6 +368,7 @@ def load_calibration(
     if isinstance(holdout, bool) or not isinstance(holdout, int) or holdout < 0:
         raise ValueError(f"holdout must be an int >= 0, got {holdout!r}.")
     if source == "c4":
+        require("llm", "datasets")
         import datasets
 
         data = datasets.load_dataset(C4_REPO, data_files={"train": C4_TRAIN_FILE}, split="train")
@@ -374,6 +377,7 @@ def load_calibration(
         if source == "builtin":
             text = builtin_text("calib")
         elif source == "wikitext":
+            require("llm", "datasets")
             import datasets
 
             text = " ".join(datasets.load_dataset("wikitext", "wikitext-2-raw-v1", split="train")["text"])
@@ -409,10 +413,12 @@ def load_eval_tokens(source: str, tokenizer: PreTrainedTokenizerBase) -> torch.T
     if source == "builtin":
         text = builtin_text("eval")
     elif source == "wikitext":
+        require("llm", "datasets")
         import datasets
 
         text = "\n\n".join(datasets.load_dataset("wikitext", "wikitext-2-raw-v1", split="test")["text"])
     elif source == "c4":
+        require("llm", "datasets")
         import datasets
 
         data = datasets.load_dataset(C4_REPO, data_files={"validation": C4_VALIDATION_FILE}, split="validation")

@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from sparseswaps_prune.extras import require
+
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
@@ -177,6 +179,7 @@ def zero_shot(
         raise ValueError(f"tasks is empty; pass lm-eval task names, e.g. PAPER_TASKS = {PAPER_TASKS}.")
     if include_path is not None and not os.path.exists(include_path):
         raise FileNotFoundError(f"include_path {include_path!r} does not exist; pass a directory of YAML tasks.")
+    require("eval", "lm_eval")
     import lm_eval
     from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager

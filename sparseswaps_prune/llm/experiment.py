@@ -9,7 +9,6 @@ far cheaper than one ``sparseswaps prune`` run per setting.
 from __future__ import annotations
 
 import time
-from dataclasses import asdict
 from typing import Any
 
 import torch
@@ -36,7 +35,7 @@ class Experiment:
 
     Example:
         >>> exp = Experiment(model, tok, calib, eval_tokens=tokens, seqlen=256)
-        >>> rows = [exp.run(PruneOptions(warmstart=w, max_iters=25)) for w in ("wanda", "ria")]
+        >>> rows = [exp.run(PruneOptions(spec=build_spec(start=s))) for s in ("wanda", "ria")]
     """
 
     def __init__(
@@ -107,7 +106,7 @@ class Experiment:
             finalize(self.model)
         prune_seconds = time.perf_counter() - start
         return {
-            "options": asdict(options),
+            "options": options.to_dict(),
             "totals": totals(result.layers),
             "seconds_prune": prune_seconds,
             **self.evaluate(),

@@ -3,7 +3,9 @@
 Output directory layout (complete only once ``report.json`` exists; it is written last):
 ``config.json`` + weights (``save_pretrained``), tokenizer files, ``config_sparseswaps.json`` (the run's
 options), ``report.csv``, ``report.png``, ``report.json``. While running, ``.sparseswaps_state/`` holds the
-checkpoint of finished blocks; an interrupted run restarted with the same command continues from it.
+checkpoint of finished blocks (:mod:`~sparseswaps_prune.llm.checkpoint`) and the dense perplexity; an interrupted
+run restarted with the same command continues from it, and one restarted with another model, dtype, calibration
+data or options stops with an error naming what differs.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import logging
 import os
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,11 +23,14 @@ from typing import Any
 import torch
 
 from sparseswaps_prune.atomic import save_json
+from sparseswaps_prune.llm import checkpoint
 from sparseswaps_prune.llm.pipeline import LayerReport, PruneOptions, finalize, masks_swapped, prune_model
-from sparseswaps_prune.llm.report import format_table, layer_rows, plot_reduction, totals, write_csv
+from sparseswaps_prune.llm.report import format_table, layer_rows, plot_stages, totals, write_csv
 
 logger = logging.getLogger(__name__)
 
+# Held-out calibration windows of the main job: they guard the least-squares re-fit (RESULTS.md).
+DEFAULT_HOLDOUT = 8
 STATE_DIR = ".sparseswaps_state"
 STAGING_DIR = ".sparseswaps_staging"
 
@@ -36,11 +42,13 @@ class JobConfig:
     Attributes:
         model: hub name or local path; None for the packaged SmolLM2-135M-Instruct.
         gguf_file: GGUF file inside ``model`` (a directory or hub repository).
-        prune: :class:`PruneOptions`.
+        prune: :class:`PruneOptions` (the per-layer spec, default
+            :data:`~sparseswaps_prune.core.spec.DEFAULT_SPEC`, and which layers).
         calib: calibration source (``builtin``, ``c4``, ``wikitext`` or a local file/directory).
         nsamples, seqlen: calibration windows and their length in tokens.
         holdout: extra held-out calibration windows, disjoint from the calibration windows; every layer's
-            losses are also reported on their Gram (0: none).
+            losses are also reported on their Gram, and a guarded weight update (the default) keeps a row's update
+            only where it lowers that row's held-out loss (0: none; the guard then keeps every update).
         eval: perplexity text source (same choices as ``calib``); None skips evaluation.
         eval_windows: at most this many windows of ``seqlen`` tokens are scored (None: all).
         eval_warmstart: also measure the perplexity of the warmstart masks (same run, same Grams).
@@ -54,7 +62,7 @@ class JobConfig:
     calib: str = "builtin"
     nsamples: int = 16
     seqlen: int = 256
-    holdout: int = 0
+    holdout: int = DEFAULT_HOLDOUT
     eval: str | None = "builtin"
     eval_windows: int | None = 32
     eval_warmstart: bool = True
@@ -64,15 +72,13 @@ class JobConfig:
     batch_size: int = 4
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """JSON-ready dict (``from_dict`` inverts it)."""
+        return asdict(self) | {"prune": self.prune.to_dict()}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> JobConfig:
         data = dict(data)
-        options = dict(data.pop("prune", {}))
-        if options.get("nm") is not None:
-            options["nm"] = tuple(options["nm"])
-        return cls(prune=PruneOptions(**options), **data)
+        return cls(prune=PruneOptions.from_dict(data.pop("prune")), **data)
 
     def validate(self) -> None:
         """Raise ``ValueError``/``TypeError`` naming the bad option (before anything is loaded or written)."""
@@ -83,8 +89,6 @@ class JobConfig:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if isinstance(self.holdout, bool) or not isinstance(self.holdout, int) or self.holdout < 0:
             raise ValueError(f"holdout must be an int >= 0, got {self.holdout!r}")
-        if self.prune.holdout_guard and not self.holdout:
-            raise ValueError("holdout_guard compares losses on held-out windows: set holdout > 0 (--holdout 8)")
         if self.dtype not in ("float32", "float16", "bfloat16"):
             raise ValueError(f"dtype must be float32, float16 or bfloat16, got {self.dtype!r}")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
@@ -137,13 +141,20 @@ def run_job(config: JobConfig, out_dir: str | os.PathLike[str], *, progress: boo
         )
 
     state = out / STATE_DIR
+    # A checkpoint of another run (model, dtype, data, options) stops here, naming what differs, before the
+    # dense evaluation; the dense perplexity is reused only if model, dtype, eval text and windows are the same.
+    model_parts, keep_dense = checkpoint.model_parts(model), config.eval_warmstart and eval_tokens is not None
+    fingerprint = checkpoint.fingerprint(
+        model, config.prune, calib, holdout, known_model_parts=model_parts, keep_dense=keep_dense
+    )
+    checkpoint.check(state, fingerprint)
     state.mkdir(parents=True, exist_ok=True)
-    dense_file = state / "dense.json"
-    if dense_file.exists():
-        dense = json.loads(dense_file.read_text())["perplexity"]
-    else:
-        dense = ppl()
-        save_json({"perplexity": dense}, dense_file)
+    dense_key = model_parts | {
+        "eval": checkpoint.tokens_digest(eval_tokens),
+        "seqlen": config.seqlen,
+        "eval_windows": config.eval_windows,
+    }
+    dense = _dense_perplexity(state / "dense.json", dense_key, ppl)
     result = prune_model(
         model,
         calib,
@@ -153,7 +164,7 @@ def run_job(config: JobConfig, out_dir: str | os.PathLike[str], *, progress: boo
         checkpoint_dir=state,
         progress=progress,
         holdout_tokens=holdout,
-        keep_dense=config.eval_warmstart and eval_tokens is not None,
+        keep_dense=keep_dense,
     )
     refined = ppl()
     warm = None
@@ -174,6 +185,19 @@ def run_job(config: JobConfig, out_dir: str | os.PathLike[str], *, progress: boo
     return report
 
 
+def _dense_perplexity(path: Path, key: dict[str, Any], ppl: Callable[[], float | None]) -> float | None:
+    """The dense perplexity recorded in ``path`` under the same ``key``, else ``ppl()`` (then recorded)."""
+    try:
+        saved = json.loads(path.read_text()) if path.exists() else None
+    except (OSError, json.JSONDecodeError):
+        saved = None
+    if isinstance(saved, dict) and saved.get("key") == key:
+        return saved["perplexity"]
+    dense = ppl()
+    save_json({"key": key, "perplexity": dense}, path)
+    return dense
+
+
 def _save_outputs(model, tokenizer, config: JobConfig, layers: list[LayerReport], report: dict, out: Path) -> None:
     """Write everything into a staging directory, then move it into ``out``; ``report.json`` last."""
     staging = out / STAGING_DIR
@@ -183,7 +207,7 @@ def _save_outputs(model, tokenizer, config: JobConfig, layers: list[LayerReport]
     tokenizer.save_pretrained(staging)
     save_json(config.to_dict(), staging / "config_sparseswaps.json")
     write_csv(layers, staging / "report.csv")
-    plot_reduction(layers, staging / "report.png", title=f"{config.prune.refine} vs {config.prune.warmstart} warmstart")
+    plot_stages(layers, staging / "report.png", title=config.prune.spec.describe())
     for item in sorted(staging.iterdir()):
         target = out / item.name
         if target.is_dir():
@@ -197,25 +221,21 @@ def summary(report: dict[str, Any]) -> str:
     """Human-readable end-of-run summary: per-layer table, totals, perplexities and time."""
     layers = [LayerReport(**{k: row[k] for k in LayerReport.__dataclass_fields__}) for row in report["layers"]]
     t, ppl = report["totals"], report["perplexity"]
-    options = report["config"]["prune"]
-    method = {"sparseswaps": "SparseSwaps", "dsnot": "DSnoT", "none": "no refinement"}[
-        options.get("refine", "sparseswaps")
-    ]
-    if options.get("refit", "none") != "none":
-        method += f" + re-fit ({options['refit']})"
-    lines = [format_table(layers), ""]
+    spec = PruneOptions.from_dict(report["config"]["prune"]).spec
+    lines = [format_table(layers), "", f"method: {spec.describe()}"]
     lines.append(
-        f"summed layer loss: warmstart {t['loss_warmstart']:.6g} -> refined {t['loss_refined']:.6g} "
-        f"({t['reduction']:.1%} lower; mean per-layer reduction {t['mean_layer_reduction']:.1%})"
+        f"summed layer loss (calibration): start {t['loss_start']:.6g} -> refined mask {t['loss_refined']:.6g} "
+        f"({t['reduction']:.1%} lower; mean per-layer {t['mean_layer_reduction']:.1%}) -> final weights "
+        f"{t['loss_final']:.6g} ({t['final_reduction']:.1%} below the start)"
     )
-    if t.get("loss_refit") is not None:
-        lines.append(f"re-fitted weights: summed layer loss {t['loss_refit']:.6g}")
-    if t.get("holdout_warmstart") is not None:
-        held = [t["holdout_warmstart"], t["holdout_refined"], t["holdout_refit"]]
-        lines.append("held-out layer loss: " + " -> ".join(f"{v:.6g}" for v in held if v is not None))
+    if t.get("holdout_start") is not None:
+        lines.append(
+            f"summed layer loss (held-out): start {t['holdout_start']:.6g} -> refined mask "
+            f"{t['holdout_refined']:.6g} -> final weights {t['holdout_final']:.6g}"
+        )
     fmt = lambda v: "n/a" if v is None else f"{v:.3f}"  # noqa: E731
     lines.append(
-        f"perplexity: dense {fmt(ppl['dense'])} | warmstart {fmt(ppl['warmstart'])} | {method} {fmt(ppl['refined'])}"
+        f"perplexity: dense {fmt(ppl['dense'])} | start mask {fmt(ppl['warmstart'])} | pruned {fmt(ppl['refined'])}"
     )
     lines.append(f"time: pruning {report['seconds']['prune']:.0f} s, wall {report['seconds']['wall']:.0f} s")
     return "\n".join(lines)

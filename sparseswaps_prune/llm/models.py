@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from sparseswaps_prune.extras import require
+
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
@@ -183,6 +185,7 @@ def _load_tokenizer(source: str, gguf_file: str | None) -> PreTrainedTokenizerBa
     Returns:
         The tokenizer; ``pad_token`` is set whenever the tokenizer defines an eos token.
     """
+    require("llm", "transformers")
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=gguf_file)
@@ -224,11 +227,13 @@ def load_model(
     """
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise TypeError(f"dtype must be a floating torch.dtype such as torch.float32, got {dtype!r}.")
+    require("llm", "transformers")
     from transformers import AutoModelForCausalLM, GgufConfig
 
     source, gguf = _resolve_source(name_or_path, gguf_file)
     kwargs: dict[str, Any] = {"dtype": dtype}
     if gguf is not None:
+        require("llm", "gguf")
         kwargs["gguf_file"] = gguf
         kwargs["quantization_config"] = GgufConfig(dequantize=True)
     logger.info("Loading model from %s%s with dtype %s", source, f" (GGUF {gguf})" if gguf else "", dtype)
@@ -273,6 +278,7 @@ def tiny_config(arch: str, **overrides: Any) -> PretrainedConfig:
     """
     if arch not in _TINY_CONFIGS:
         raise ValueError(f"Unknown tiny architecture {arch!r}; choose one of {list(TINY_ARCHS)}.")
+    require("llm", "transformers")
     from transformers import AutoConfig
 
     reference = AutoConfig.for_model(arch)
@@ -311,6 +317,7 @@ def tiny_model(arch: str, seed: int = 0, **overrides: Any) -> PreTrainedModel:
     Raises:
         ValueError: see :func:`tiny_config`.
     """
+    require("llm", "transformers")
     from transformers import AutoModelForCausalLM
 
     config = tiny_config(arch, **overrides)

@@ -1,7 +1,7 @@
 import torch
 
 from sparseswaps_prune import GramAccumulator, row_losses
-from sparseswaps_prune.core.losses import correlation
+from sparseswaps_prune.core.losses import correlation, swap_delta
 from tests.core.reference import layer_problem, row_loss
 
 
@@ -48,3 +48,17 @@ def test_row_losses_match_definition():
         assert abs(float(losses[r]) - row_loss(weight[r], gram, keep[r])) <= 1e-4 * max(1.0, float(losses[r]))
     corr = correlation(weight, gram, keep)
     assert torch.allclose(corr, torch.where(keep, 0.0, weight) @ gram)
+
+
+def test_swap_delta_is_the_exact_change_of_the_loss():
+    weight, gram = layer_problem(5, 12, seed=3)
+    keep = torch.rand(5, 12, generator=torch.Generator().manual_seed(1)) < 0.5
+    keep[:, 0], keep[:, 1] = True, False  # every row has a kept and a pruned input
+    corr = correlation(weight, gram, keep)
+    rows = torch.arange(5)
+    u = torch.stack([torch.nonzero(keep[r]).flatten()[-1] for r in range(5)])
+    p = torch.stack([torch.nonzero(~keep[r]).flatten()[-1] for r in range(5)])
+    swapped = keep.clone()
+    swapped[rows, u], swapped[rows, p] = False, True
+    want = [row_loss(weight[r], gram, swapped[r]) - row_loss(weight[r], gram, keep[r]) for r in rows]
+    assert torch.allclose(swap_delta(weight, corr, u, p, gram), torch.tensor(want, dtype=torch.float64), rtol=1e-10)

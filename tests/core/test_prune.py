@@ -3,7 +3,15 @@ import torch
 from torch import nn
 from torch.nn.utils import prune
 
-from sparseswaps_prune import GramAccumulator, SparseSwapsMethod, refine_mask, sparseswaps_unstructured, warmstart_mask
+from sparseswaps_prune import (
+    GramAccumulator,
+    SparseSwapsMethod,
+    build_spec,
+    prune_layer,
+    refine_mask,
+    sparseswaps_unstructured,
+    warmstart_mask,
+)
 
 
 def model_and_grams(seed: int = 0):
@@ -36,8 +44,9 @@ def test_global_unstructured_prunes_each_layer_row_by_row():
         amount=0.6,
         grams=grams,
         shapes=[(24, 16), (8, 24)],
-        warmstart="wanda",
+        start="wanda",
         max_iters=20,
+        weights="keep",
     )
     x = torch.randn(5, 16)
     for layer, mask in zip(model[::2], want, strict=True):
@@ -57,7 +66,7 @@ def test_global_unstructured_with_parameters_on_already_pruned_layers():
     prune.l1_unstructured(model[0], "weight", amount=0.25)
     before = model[0].weight_mask.bool().clone()
     params = [(model[0], "weight"), (model[2], "weight")]
-    method_kwargs = {"amount": 0.5, "grams": grams, "tensors": params, "max_iters": 10}
+    method_kwargs = {"amount": 0.5, "grams": grams, "tensors": params, "max_iters": 10, "weights": "keep"}
     prune.global_unstructured(params, pruning_method=SparseSwapsMethod, **method_kwargs)
     after = model[0].weight_mask.bool()
     assert not (after & ~before).any()  # previously pruned weights stay pruned
@@ -69,7 +78,7 @@ def test_global_unstructured_without_shapes_is_a_clear_error():
     model, grams = model_and_grams()
     params = [(model[0], "weight"), (model[2], "weight")]
     with pytest.raises(ValueError, match="shapes="):
-        prune.global_unstructured(params, pruning_method=SparseSwapsMethod, amount=0.5, grams=grams)
+        prune.global_unstructured(params, pruning_method=SparseSwapsMethod, amount=0.5, grams=grams, weights="keep")
     assert not prune.is_pruned(model)
 
 
@@ -77,7 +86,7 @@ def test_sparseswaps_unstructured_round_trip_and_results():
     model, grams = model_and_grams(2)
     layer = model[0]
     want = expected_mask(layer, grams[0], 0.5, max_iters=30)
-    sparseswaps_unstructured(layer, "weight", amount=0.5, gram=grams[0], max_iters=30)
+    sparseswaps_unstructured(layer, "weight", amount=0.5, gram=grams[0], max_iters=30, weights="keep")
     assert torch.equal(layer.weight_mask.bool(), want)
     x = torch.randn(3, 16)
     assert torch.allclose(layer(x), x @ (layer.weight_orig * want).T + layer.bias)
@@ -88,7 +97,7 @@ def test_sparseswaps_unstructured_round_trip_and_results():
 def test_sparseswaps_unstructured_nm_and_repeat_combination():
     model, grams = model_and_grams(3)
     layer = model[0]
-    sparseswaps_unstructured(layer, amount=None, nm=(2, 4), gram=grams[0], warmstart="magnitude", max_iters=10)
+    sparseswaps_unstructured(layer, amount=None, nm=(2, 4), gram=grams[0], start="magnitude", max_iters=10)
     assert (layer.weight_mask.reshape(24, 4, 4).sum(-1) == 2).all()
     first = layer.weight_mask.bool().clone()
     sparseswaps_unstructured(layer, amount=0.5, gram=grams[0], max_iters=10)
@@ -99,23 +108,41 @@ def test_sparseswaps_unstructured_nm_and_repeat_combination():
 
 def test_method_refinement_lowers_loss_and_records_results():
     model, grams = model_and_grams(4)
-    method = SparseSwapsMethod(0.6, grams=[grams[1]], warmstart="magnitude", max_iters=50)
+    method = SparseSwapsMethod(0.6, grams=[grams[1]], start="magnitude", max_iters=50, weights="keep")
     mask = method.compute_mask(model[2].weight.detach(), torch.ones_like(model[2].weight))
     assert mask.shape == model[2].weight.shape
     (res,) = method.results
-    assert res.loss_after.sum() <= res.loss_before.sum()
+    assert res.loss.refined.sum() < res.loss.start.sum()
+    assert torch.equal(res.loss.final, res.loss.refined) and res.weight is None
+
+
+def test_default_spec_refits_through_apply():
+    """``SparseSwapsMethod.apply`` on a dense module (torch has moved the weight to ``weight_orig`` when it asks
+    for the mask) runs the default spec, re-fit included."""
+    from sparseswaps_prune import DEFAULT_SPEC, prune_layer
+
+    model, grams = model_and_grams(6)
+    layer = model[0]
+    dense = layer.weight.detach().clone()
+    SparseSwapsMethod.apply(layer, "weight", 0.5, grams=[grams[0]], tensors=[(layer, "weight")])
+    want = prune_layer(dense, grams[0], build_spec(sparsity=0.5))
+    assert DEFAULT_SPEC.updates_weights
+    assert torch.equal(layer.weight_mask.bool(), want.keep_mask)
+    assert torch.equal(layer.weight_orig.detach(), want.weight)
 
 
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
-        ({"amount": 1.2}, ValueError, r"Linear\.weight.*\[0, 1\)"),
-        ({"amount": 0.5, "gram": torch.eye(5)}, ValueError, r"Linear\.weight gram.*\[16, 16\]"),
+        ({"amount": 1.2}, ValueError, r"sparsity must be in \[0, 1\)"),
+        ({"amount": 0.5, "gram": torch.eye(5)}, ValueError, r"Linear\.weight: gram.*\[16, 16\]"),
         ({"amount": 0.5, "gram": torch.full((16, 16), float("nan"))}, ValueError, "NaN"),
         ({"amount": 0.5, "gram": torch.zeros(16, 16)}, ValueError, "no calibration tokens"),
         ({"amount": None, "nm": (3, 5)}, ValueError, "does not divide"),
-        ({"amount": 0.5, "nm": (2, 4)}, ValueError, "exactly one"),
-        ({"amount": 0.5, "warmstart": "random"}, ValueError, "unknown warmstart"),
+        ({"amount": 0.5, "nm": (2, 4)}, ValueError, "not both"),
+        ({"amount": 0.5, "start": "random"}, ValueError, "start must be one of"),
+        ({"amount": 0.5, "refine": "dsnot", "max_iters": 3}, ValueError, "max_iters is an option of refine="),
+        ({"amount": 0.5, "weights": "keep", "damp": 0.1}, ValueError, "damp is an option of a weight update"),
     ],
 )
 def test_bad_input_leaves_module_untouched(kwargs, error, match):
@@ -146,18 +173,18 @@ def test_refit_lands_in_weight_orig(route):
     params = [(model[0], "weight"), (model[2], "weight")]
     if route == "global":
         prune.global_unstructured(
-            params, pruning_method=SparseSwapsMethod, amount=0.5, grams=grams, tensors=params, max_iters=5, refit="ls"
+            params, pruning_method=SparseSwapsMethod, amount=0.5, grams=grams, tensors=params, max_iters=5, weights="ls"
         )
     else:
         for (module, _), gram in zip(params, grams, strict=True):
-            sparseswaps_unstructured(module, amount=0.5, gram=gram, max_iters=5, refit="ls")
+            sparseswaps_unstructured(module, amount=0.5, gram=gram, max_iters=5, weights="ls", guard=False)
     for layer, w, gram in zip(model[::2], dense, grams, strict=True):
         mask = layer.weight_mask.bool()
         assert torch.allclose(layer.weight_orig, refit_weights(w, gram, mask), atol=1e-6)
         assert torch.equal(layer.weight, layer.weight_orig * layer.weight_mask) and not layer.weight[~mask].any()
         assert weight_losses(w, layer.weight, gram).sum() < row_losses(w, gram, mask).sum()
     with pytest.raises(ValueError, match="tensors="):
-        SparseSwapsMethod(0.5, grams=grams, shapes=[(24, 16), (8, 24)], refit="ls")
+        SparseSwapsMethod(0.5, grams=grams, shapes=[(24, 16), (8, 24)], weights="ls")
 
 
 def test_refit_objective_and_layer_scope_through_the_prune_method():
@@ -166,10 +193,27 @@ def test_refit_objective_and_layer_scope_through_the_prune_method():
     dense = [layer.weight.detach().clone() for layer in model[::2]]
     method_kwargs = {"grams": grams, "tensors": params, "max_iters": 5, "scope": "layer"}
     prune.global_unstructured(
-        params, pruning_method=SparseSwapsMethod, amount=0.5, objective="refit", refit="ls", **method_kwargs
+        params, pruning_method=SparseSwapsMethod, amount=0.5, objective="refit", weights="ls", **method_kwargs
     )
     for layer, w in zip(model[::2], dense, strict=True):
         assert int(layer.weight_mask.sum()) == w.numel() // 2  # the layer's count, rows may differ
         assert not torch.equal(layer.weight_orig, w)
-    with pytest.raises(ValueError, match="refit='ls'"):
-        SparseSwapsMethod(0.5, grams=grams, tensors=params, objective="refit")
+    with pytest.raises(ValueError, match="weights must be LeastSquares"):
+        SparseSwapsMethod(0.5, grams=grams, tensors=params, objective="refit", weights="cg")
+
+
+def test_dsnot_through_the_prune_method_needs_and_uses_feature_stats():
+    model, _ = model_and_grams()
+    acc = GramAccumulator(16, track_sum=True)
+    acc.add(torch.randn(64, 16, generator=torch.Generator().manual_seed(3)))
+    params = [(model[0], "weight")]
+    with pytest.raises(ValueError, match="feature_stats"):
+        SparseSwapsMethod(0.5, grams=[acc.gram], tensors=params, refine="dsnot", weights="keep")
+    dense = model[0].weight.detach().clone()
+    stats = acc.feature_stats()
+    spec = build_spec(sparsity=0.5, refine="dsnot", weights="keep")
+    expected = prune_layer(dense, acc.gram, spec, feature_stats=stats).keep_mask
+    sparseswaps_unstructured(
+        model[0], "weight", 0.5, gram=acc.gram, feature_stats=stats, refine="dsnot", weights="keep"
+    )
+    assert torch.equal(model[0].weight_mask.bool(), expected)

@@ -3,6 +3,8 @@ import pytest
 import torch
 
 from sparseswaps_prune import refit_weights, row_losses, warmstart_mask
+from sparseswaps_prune.core import refit_swaps as rs
+from sparseswaps_prune.core.refit import damping, factor_kept
 from tests.core.reference import layer_problem
 
 
@@ -57,3 +59,37 @@ def test_cg_solver_matches_direct(scope):
     assert (refit_loss(weight, gram, rough) <= row_losses(weight, gram, keep) * (1 + 1e-5)).all()
     with pytest.raises(ValueError, match="solver"):
         refit_weights(weight, gram, keep, solver="admm")
+
+
+def test_factor_kept_pads_rows_and_is_shared_with_the_swap_state():
+    weight, gram = layer_problem(6, 10, seed=2)
+    keep = warmstart_mask(weight, "wanda", sparsity=0.5, gram=gram, scope="layer")
+    keep[0] = False  # a row with nothing kept
+    lam = damping(gram, 0.01)
+    slots, valid, factor = factor_kept(gram, keep, lam, 8)
+    assert slots.shape == valid.shape == (6, 8) and factor.shape == (6, 8, 8)
+    for r in range(6):
+        k = int(keep[r].sum())
+        assert valid[r].tolist() == [True] * k + [False] * (8 - k)
+        assert slots[r, :k].tolist() == torch.nonzero(keep[r]).flatten().tolist()
+        s = slots[r, :k]
+        system = torch.eye(8, dtype=torch.float64)
+        system[:k, :k] = gram[s][:, s] + lam * torch.eye(k, dtype=torch.float64)
+        assert torch.allclose(factor[r] @ factor[r].T, system, rtol=1e-12, atol=1e-10)
+    # both users of the factor agree: the direct re-fit and the re-fit objective's swap state
+    state = rs.build_state(weight, keep, gram, lam, int(keep.sum(1).max()), 10)
+    assert torch.allclose(rs.fitted_weights(state, 10), refit_weights(weight, gram, keep, damp=0.01), rtol=1e-10)
+
+
+def test_factor_kept_names_singular_rows_by_layer_index():
+    weight, gram = layer_problem(4, 8, seed=1)
+    gram[:, 0] = gram[0, :] = 0.0
+    keep = torch.zeros(4, 8, dtype=torch.bool)
+    keep[[1, 3], 0] = True
+    keep[:, 1] = True
+    with pytest.raises(ValueError, match=r"singular for rows \[11, 13\].*damp > 0"):
+        factor_kept(gram, keep, 0.0, 2, row_offset=10)
+    with pytest.raises(ValueError, match=r"singular for rows \[7\]"):
+        factor_kept(gram, keep[1:2], 0.0, 2, row_offset=torch.tensor([7]))
+    with pytest.raises(ValueError, match=r"singular for rows \[1, 3\].*damp > 0"):
+        refit_weights(weight, gram, keep, damp=0.0)

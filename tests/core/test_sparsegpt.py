@@ -124,8 +124,11 @@ def test_bad_inputs():
     with pytest.raises(ValueError, match="NaN"):
         sparsegpt_prune(weight.masked_fill(weight > 1, float("nan")), gram, sparsity=0.5)
     indefinite = torch.block_diag(*[torch.tensor([[1.0, 2.0], [2.0, 1.0]])] * 8)
-    with pytest.raises(ValueError, match="raise damp"):
+    with pytest.raises(ValueError, match="not positive semi-definite"):
         sparsegpt_prune(weight, indefinite, sparsity=0.5)
+    singular = torch.block_diag(*[torch.ones(2, 2)] * 8)  # a valid Gram of rank 8: needs damping
+    with pytest.raises(ValueError, match="raise damp"):
+        sparsegpt_prune(weight, singular, sparsity=0.5, damp=0.0)
 
 
 @pytest.mark.parametrize("budget", [{"sparsity": 0.5}, {"sparsity": 0.6, "scope": "row"}, {"nm": (2, 4)}])

@@ -2,11 +2,16 @@ import pytest
 import torch
 
 from sparseswaps_prune import refine_mask, row_losses, warmstart_mask
-from sparseswaps_prune.core.backends import best_swaps
+from sparseswaps_prune.core.backends import best_swaps, resolve_backend
 from sparseswaps_prune.core.losses import correlation
 from tests.core.reference import brute_best_swap, brute_refine, layer_problem
 
 SEARCHES = ["torch", "numba"]
+
+
+def test_auto_backend_on_the_cpu_is_numba():
+    assert resolve_backend("auto", torch.device("cpu"), None) == "numba"  # numba is a required dependency
+    assert resolve_backend("auto", torch.device("cpu"), (2, 4)) == "nm"
 
 
 @pytest.mark.parametrize("search", SEARCHES)

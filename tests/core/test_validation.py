@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from sparseswaps_prune import refine_mask, row_losses, warmstart_mask
+from sparseswaps_prune import build_spec, prune_layer, refine_mask, row_losses, warmstart_mask
+from sparseswaps_prune.core.checks import check_gram, check_weight
 from tests.core.reference import layer_problem
 
 W, G = layer_problem(4, 8, seed=0, dtype=torch.float32)
@@ -61,3 +62,37 @@ def test_unknown_warmstart_and_scope():
 def test_row_losses_checks_mask():
     with pytest.raises(ValueError, match="shape"):
         row_losses(W, G, K.T)
+
+
+@pytest.mark.parametrize(
+    ("gram", "match"),
+    [
+        (G.clone().fill_diagonal_(-1.0), "negative diagonal"),
+        (G + torch.triu(torch.ones(8, 8), 1) * float(G.diagonal().max()), "not symmetric"),
+        (G + (torch.ones(8, 8) - torch.eye(8)) * 2 * float(G.diagonal().max()), r"\|G_ij\| > sqrt\(G_ii G_jj\)"),
+        (torch.empty(8, 8, device="meta"), "meta"),
+    ],
+)
+def test_non_gram_matrices_are_refused_before_any_work(gram, match):
+    """A non-symmetric or indefinite "Gram" would make losses rise or go negative (and the numba kernel's
+    Cauchy-Schwarz skip invalid): refused by every entry point."""
+    with pytest.raises(ValueError, match=match):
+        refine_mask(W, gram, K)
+    with pytest.raises(ValueError, match=match):
+        warmstart_mask(W, "wanda", sparsity=0.5, gram=gram)
+
+
+def test_float32_gram_of_real_inputs_passes():
+    x = torch.randn(4096, 64) * torch.logspace(-3, 3, 64)  # wide dynamic range, float32 rounding
+    x[:, 1] = x[:, 0]  # collinear inputs: |G_01| = sqrt(G_00 G_11) up to rounding
+    check_gram(x.T @ x, 64)
+
+
+def test_empty_and_meta_weights_and_near_one_sparsity():
+    with pytest.raises(ValueError, match="nothing to prune"):
+        check_weight(torch.zeros(4, 0))
+    with pytest.raises(ValueError, match="meta tensor"):
+        check_weight(torch.empty(4, 8, device="meta"))
+    with pytest.raises(ValueError, match=r"keeps none of the 64 weights of each row.*below 0\.992188"):
+        prune_layer(torch.randn(4, 64), torch.eye(64), build_spec(sparsity=0.995))
+    assert prune_layer(torch.randn(4, 64), torch.eye(64), build_spec(sparsity=0.99)).keep_mask.sum(1).eq(1).all()

@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch.nn.utils import prune
 
+from sparseswaps_prune.core.spec import build_spec
 from sparseswaps_prune.finetune import (
     AdapterHook,
     adapted_modules,
@@ -18,8 +19,8 @@ from sparseswaps_prune.finetune import (
     mark_trainable,
     merge_adapters,
 )
-from sparseswaps_prune.llm.layers import find_layers
 from sparseswaps_prune.llm.pipeline import PruneOptions, prune_model
+from sparseswaps_prune.modules import find_layers
 from tests.finetune.helpers import counting_ids, fresh_tiny, pruned_tiny, weight_2d
 
 ARCHS = ["llama", "gpt2"]
@@ -115,7 +116,8 @@ def test_pruning_after_attaching_is_followed(kind):
 def test_pipeline_prunes_the_linears_not_the_adapters():
     model = fresh_tiny("llama")
     attach_adapters(model, "masklora", rank=4)
-    result = prune_model(model, counting_ids(2), PruneOptions(sparsity=0.5, max_iters=2), progress=False)
+    options = PruneOptions(spec=build_spec(sparsity=0.5, max_iters=2))
+    result = prune_model(model, counting_ids(2), options, progress=False)
     assert len(result.layers) == 14 and not any("adapter" in report.name for report in result.layers)
     train_steps(model, counting_ids(4), steps=2)
     merge_adapters(model)

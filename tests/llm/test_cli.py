@@ -5,8 +5,14 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
-from sparseswaps_prune.cli import main
+from sparseswaps_prune.callbacks import SparseSwapsPruning
+from sparseswaps_prune.cli import build_parser, job_config, main
+from sparseswaps_prune.core.spec import DEFAULT_SPEC, OBSUpdate, build_spec
+from sparseswaps_prune.llm.job import JobConfig
+from sparseswaps_prune.llm.pipeline import PruneOptions
+from sparseswaps_prune.prune import SparseSwapsMethod
 
 
 def test_prune_report_eval(saved_tiny, tmp_path, capsys):
@@ -15,14 +21,17 @@ def test_prune_report_eval(saved_tiny, tmp_path, capsys):
             "--seqlen", "32", "--eval-windows", "2", "--out", str(out), "--json-log"]  # fmt: skip
     assert main(args) == 0
     summary = json.loads(capsys.readouterr().out)
-    assert summary["totals"]["loss_refined"] <= summary["totals"]["loss_warmstart"]
+    assert summary["totals"]["loss_refined"] <= summary["totals"]["loss_start"]
     config = json.loads((out / "config_sparseswaps.json").read_text())
-    assert config["prune"]["nm"] == [2, 4]
+    assert config["prune"]["spec"]["budget"]["nm"] == [2, 4]
     # the main job's defaults: swaps, then a re-fit guarded by 8 held-out windows
-    assert config["prune"]["refit"] == "ls" and config["prune"]["holdout_guard"] and config["holdout"] == 8
-    assert summary["totals"]["loss_refit"] <= summary["totals"]["loss_refined"]
+    weights = config["prune"]["spec"]["weights"]
+    assert weights["kind"] == "least_squares" and weights["guard"] and config["holdout"] == 8
+    assert summary["totals"]["loss_final"] <= summary["totals"]["loss_refined"]
+    assert summary["totals"]["holdout_final"] is not None
     assert main(["report", str(out)]) == 0
-    assert "perplexity: dense" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "perplexity: dense" in printed and "summed layer loss (held-out)" in printed
     args = ["eval", "--model", str(out), "--seqlen", "32", "--eval-windows", "2", "--tasks", "builtin_cloze"]
     assert main([*args, "--limit", "4"]) == 0
     result = json.loads(capsys.readouterr().out)
@@ -30,47 +39,63 @@ def test_prune_report_eval(saved_tiny, tmp_path, capsys):
     assert result["perplexity"] > 1 and result["sparsity_of_proj_weights"] == pytest.approx(0.5, abs=0.01)
 
 
+def test_cli_and_python_defaults_build_the_same_job():
+    """``sparseswaps prune --out x`` and the README's ``run_job(JobConfig(), out)`` run the same method."""
+    assert job_config(build_parser().parse_args(["prune", "--out", "x"])) == JobConfig()
+    assert JobConfig().prune.spec == DEFAULT_SPEC and PruneOptions().spec == DEFAULT_SPEC
+    assert SparseSwapsMethod(0.6, grams=[torch.eye(2)], tensors=[]).spec == DEFAULT_SPEC
+    assert SparseSwapsPruning().spec == DEFAULT_SPEC
+    given = job_config(build_parser().parse_args(["prune", "--out", "x", "--weights", "keep", "--max-iters", "7"]))
+    assert given.prune.spec == build_spec(weights="keep", max_iters=7)
+
+
 def test_cli_errors_are_one_line(tmp_path, capsys):
     assert main(["report", str(tmp_path)]) == 2
     assert "holds no finished run" in capsys.readouterr().err
     assert main(["prune", "--sparsity", "1.5", "--out", str(tmp_path / "x")]) == 2
     assert "[0, 1)" in capsys.readouterr().err
+    # options that mean nothing for the chosen stage are refused, naming the option
+    assert main(["prune", "--refine", "dsnot", "--max-iters", "5", "--out", str(tmp_path / "x")]) == 2
+    assert "max_iters" in capsys.readouterr().err
+    assert main(["prune", "--weights", "keep", "--guard", "--out", str(tmp_path / "x")]) == 2
+    assert "guard" in capsys.readouterr().err
+    assert main(["prune", "--objective", "refit", "--weights", "cg", "--out", str(tmp_path / "x")]) == 2
+    assert "LeastSquares(solver='direct')" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
     with pytest.raises(SystemExit):
         main(["prune", "--nm", "2-4", "--out", str(tmp_path / "y")])
 
 
-def test_refit_none_is_the_papers_method_without_held_out_windows(saved_tiny, tmp_path, capsys):
+def test_weights_keep_is_the_papers_method(saved_tiny, tmp_path, capsys):
     out = tmp_path / "paper"
     args = ["prune", "--model", str(saved_tiny), "--nsamples", "2", "--seqlen", "32", "--eval-windows", "2",
-            "--max-iters", "2", "--refit", "none", "--out", str(out), "--json-log"]  # fmt: skip
+            "--max-iters", "2", "--weights", "keep", "--holdout", "0", "--out", str(out), "--json-log"]  # fmt: skip
     assert main(args) == 0
-    summary = json.loads(capsys.readouterr().out)
-    assert summary["totals"]["loss_refit"] is None and summary["totals"]["holdout_refined"] is None
+    t = json.loads(capsys.readouterr().out)["totals"]
+    assert t["loss_final"] == t["loss_refined"] and t["holdout_refined"] is None
     config = json.loads((out / "config_sparseswaps.json").read_text())
-    assert config["holdout"] == 0 and not config["prune"]["holdout_guard"]
-    assert main([*args[:-3], "--holdout-guard", "--out", str(tmp_path / "bad")]) == 2  # guard without a re-fit
-    assert "holdout_guard" in capsys.readouterr().err
+    assert config["holdout"] == 0 and config["prune"]["spec"]["weights"] == {"kind": "keep"}
 
 
 def test_prune_with_refit_and_holdout(saved_tiny, tmp_path, capsys):
     out = tmp_path / "refit"
-    args = ["prune", "--model", str(saved_tiny), "--nsamples", "3", "--holdout", "2", "--refit", "ls",
+    args = ["prune", "--model", str(saved_tiny), "--nsamples", "3", "--holdout", "2", "--weights", "ls",
             "--refine", "none", "--seqlen", "32", "--eval-windows", "2", "--out", str(out)]  # fmt: skip
     assert main(args) == 0
     printed = capsys.readouterr().out
-    assert "re-fitted weights: summed layer loss" in printed and "held-out layer loss" in printed
+    assert "final weights" in printed and "summed layer loss (held-out)" in printed
     report = json.loads((out / "report.json").read_text())
     t = report["totals"]
-    assert t["n_swaps"] == 0 and t["loss_refit"] <= t["loss_refined"] and t["holdout_refit"] is not None
+    assert t["n_swaps"] == 0 and t["loss_final"] <= t["loss_refined"] and t["holdout_final"] is not None
     assert report["config"]["holdout"] == 2 and report["perplexity"]["warmstart"] > 1
 
 
 @pytest.mark.parametrize(
     "flags",
     [
-        ["--warmstart", "sparsegpt", "--scope", "layer", "--refine", "none", "--refit", "obs"],
-        ["--refine", "dsnot", "--refit", "none"],
-        ["--refine", "none", "--no-holdout-guard"],
+        ["--start", "sparsegpt", "--scope", "layer", "--refine", "none", "--weights", "obs", "--holdout", "0"],
+        ["--refine", "dsnot", "--weights", "keep"],
+        ["--refine", "none", "--no-guard"],
     ],
 )
 def test_prune_baselines_from_the_cli(saved_tiny, tmp_path, capsys, flags):
@@ -79,7 +104,8 @@ def test_prune_baselines_from_the_cli(saved_tiny, tmp_path, capsys, flags):
             "--out", str(out), "--quiet", *flags]  # fmt: skip
     assert main(args) == 0
     config = json.loads((out / "config_sparseswaps.json").read_text())
-    assert config["prune"]["refine"] == flags[flags.index("--refine") + 1]
+    spec = PruneOptions.from_dict(config["prune"]).spec
+    assert spec.refine.name == flags[flags.index("--refine") + 1]
     if "obs" in flags:  # SparseGPT as published: no held-out windows, no guard unless asked for
-        assert config["prune"]["refit"] == "obs" and not config["prune"]["holdout_guard"] and config["holdout"] == 0
+        assert spec.weights == OBSUpdate() and config["holdout"] == 0
     assert json.loads((out / "report.json").read_text())["perplexity"]["refined"] > 1

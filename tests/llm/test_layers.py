@@ -1,4 +1,5 @@
-"""Tests for sparseswaps_prune.llm.layers on tiny random-weight models built from configs (no download)."""
+"""Tests for sparseswaps_prune.llm.layers, and for layer discovery on real architectures, on tiny random-weight
+models built from configs (no download). The model-independent parts are in tests/test_modules.py."""
 
 from __future__ import annotations
 
@@ -6,10 +7,10 @@ import pytest
 import torch
 from torch import nn
 from transformers import PreTrainedModel
-from transformers.pytorch_utils import Conv1D
 
-from sparseswaps_prune.llm.layers import PrunableLayer, find_blocks, find_layers, group_by_input, input_hooks
+from sparseswaps_prune.llm.layers import find_blocks, group_by_input
 from sparseswaps_prune.llm.models import TINY_ARCHS, tiny_model
+from sparseswaps_prune.modules import find_layers, input_hooks
 
 _LLAMA_LIKE = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 _EXPECTED = {
@@ -110,52 +111,6 @@ def test_find_blocks_skips_nested_lists() -> None:
     assert path == "layers" and len(blocks) == 3
 
 
-def test_find_layers_include_exclude() -> None:
-    _, blocks = find_blocks(tiny("llama"))
-    block = blocks[1]
-    names = [layer.name for layer in find_layers(block, prefix="model.layers.1", include=["*.self_attn.*"])]
-    assert names == [f"model.layers.1.self_attn.{n}" for n in _LLAMA_LIKE[:4]]
-    names = [layer.name for layer in find_layers(block, prefix="model.layers.1", exclude=["*.mlp.*", "*.o_proj"])]
-    assert names == [f"model.layers.1.self_attn.{n}" for n in _LLAMA_LIKE[:3]]
-    names = [
-        layer.name
-        for layer in find_layers(block, prefix="model.layers.1", include=["*_proj"], exclude=["*.self_attn.*"])
-    ]
-    assert names == [f"model.layers.1.mlp.{n}" for n in _LLAMA_LIKE[4:]]
-    assert find_layers(block, prefix="model.layers.1", include=["model.layers.0.*"]) == []
-    with pytest.raises(TypeError, match="include='\\*q_proj'"):
-        find_layers(block, prefix="", include="*q_proj")  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match="exclude"):
-        find_layers(block, prefix="", exclude=[3])  # type: ignore[list-item]
-
-
-def test_conv1d_weight_2d_is_the_linear_map() -> None:
-    torch.manual_seed(0)
-    conv = Conv1D(nf=7, nx=5)
-    nn.init.normal_(conv.bias)
-    layer = PrunableLayer("c", conv)
-    assert (layer.d_in, layer.d_out) == (5, 7)
-    x = torch.randn(3, 4, 5)
-    w2d = layer.weight_2d()
-    assert w2d.shape == (7, 5)
-    torch.testing.assert_close(x @ w2d.T + conv.bias, conv(x), rtol=1e-6, atol=1e-6)
-    mask = torch.rand(7, 5) > 0.5
-    assert torch.equal(layer.to_param_layout(mask), mask.T)
-    expected = (w2d * mask).T.clone()
-    w2d.mul_(mask)  # a view: writes go to the parameter
-    assert torch.equal(conv.weight.data, expected)
-
-
-def test_linear_weight_2d_and_layout() -> None:
-    linear = nn.Linear(5, 7)
-    layer = PrunableLayer("l", linear)
-    assert layer.weight_2d().data_ptr() == linear.weight.data_ptr()
-    mask = torch.ones(7, 5, dtype=torch.bool)
-    assert layer.to_param_layout(mask) is mask
-    with pytest.raises(ValueError, match=r"expected \[d_out, d_in\] = \[7, 5\]"):
-        layer.to_param_layout(torch.ones(5, 7))
-
-
 @pytest.mark.parametrize("arch", ["llama", "gemma2", "opt"])
 def test_group_by_input_shared_inputs(arch: str) -> None:
     model = tiny(arch)
@@ -205,24 +160,3 @@ def test_input_hooks_groups_and_layers() -> None:
     assert all(not layer.module._forward_pre_hooks for layer in layers)
     with pytest.raises(ValueError, match="empty layer group"), input_hooks([[]], lambda key, x: None):
         pass
-
-
-def test_input_hooks_removed_when_fn_or_body_raises() -> None:
-    model = tiny("gpt2")
-    _, blocks = find_blocks(model)
-    layers = find_layers(blocks[0], prefix="")
-    args, kwargs = _block_call(model, blocks)
-
-    def boom(key: str, x: torch.Tensor) -> None:
-        raise RuntimeError(f"boom in {key}")
-
-    with (
-        pytest.raises(RuntimeError, match=r"boom in attn\.c_attn"),
-        input_hooks(layers, boom),
-        torch.no_grad(),
-    ):
-        blocks[0](*args, **kwargs)
-    assert all(not layer.module._forward_pre_hooks for layer in layers)
-    with pytest.raises(KeyError), input_hooks(layers, lambda key, x: None):
-        raise KeyError("body")
-    assert all(not layer.module._forward_pre_hooks for layer in layers)

@@ -3,10 +3,11 @@
 ``dL(u, p) = A_u + B_p - 2 w_u w_p G_up`` with ``A_u = 2 w_u c_u + w_u^2 G_uu`` over kept ``u`` and
 ``B_p = -2 w_p c_p + w_p^2 G_pp`` over pruned nonzero ``p`` (for ``nm``: ``u`` and ``p`` in one block of ``m``),
 and its ``dL`` (``+inf`` where a row has no feasible pair). Ties go to the smallest ``u``, then the
-smallest ``p``. Backends search only; :mod:`sparseswaps_prune.core.swaps` applies the swaps.
+smallest ``p``. Backends search only; :mod:`sparseswaps_prune.core.refine` applies the swaps.
 
 * ``torch``: vectorized, any device, memory bounded by chunks of ``u`` (the reference).
-* ``numba``: compiled CPU kernel sharing each row of ``G`` across a block of rows.
+* ``numba``: compiled CPU kernel sharing each row of ``G`` across a block of rows (numba is a required
+  dependency, so this is always available on the CPU).
 * ``triton``: fused CUDA kernel sharing each tile of ``G`` across a block of rows (on the CPU only
   through the Triton interpreter, ``TRITON_INTERPRET=1``, for testing).
 * N:M always uses the block-local torch search (``O(d_in * m)`` per row).
@@ -19,18 +20,10 @@ import os
 import torch
 
 from sparseswaps_prune.core.backends.nm_search import best_swaps_nm
+from sparseswaps_prune.core.backends.numba_search import best_swaps_numba
 from sparseswaps_prune.core.backends.torch_search import best_swaps_torch
 
 BACKENDS = ("auto", "torch", "numba", "triton")
-
-
-def numba_available() -> bool:
-    """True if the compiled CPU kernel can be used (numba importable)."""
-    try:
-        import numba  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def triton_available() -> bool:
@@ -43,8 +36,8 @@ def triton_available() -> bool:
 
 
 def resolve_backend(backend: str, device: torch.device, nm: tuple[int, int] | None) -> str:
-    """Pick the search backend: ``auto`` means triton on CUDA (when installed), numba on CPU (when
-    installed), torch otherwise. ``triton`` on a non-CUDA device needs the interpreter (``TRITON_INTERPRET=1``).
+    """Pick the search backend: ``auto`` means triton on CUDA (when installed), numba on CPU, torch otherwise.
+    ``triton`` on a non-CUDA device needs the interpreter (``TRITON_INTERPRET=1``); ``nm`` is always ``"nm"``.
     """
     if backend not in BACKENDS:
         raise ValueError(f"unknown swap-search backend {backend!r}; choose one of {', '.join(BACKENDS)}")
@@ -53,11 +46,9 @@ def resolve_backend(backend: str, device: torch.device, nm: tuple[int, int] | No
     if backend == "auto":
         if device.type == "cuda" and triton_available():
             return "triton"
-        return "numba" if device.type == "cpu" and numba_available() else "torch"
+        return "numba" if device.type == "cpu" else "torch"
     if backend == "numba" and device.type != "cpu":
         raise ValueError(f"backend='numba' runs on the CPU only, but the refinement device is {device}")
-    if backend == "numba" and not numba_available():
-        raise ValueError("backend='numba' needs the numba package: pip install numba")
     if backend == "triton" and not triton_available():
         raise ValueError("backend='triton' needs the triton package: pip install triton")
     if backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -88,8 +79,6 @@ def best_swaps(
     if name == "nm":
         return best_swaps_nm(weight, keep, corr, gram, nm[1])
     if name == "numba":
-        from sparseswaps_prune.core.backends.numba_search import best_swaps_numba
-
         return best_swaps_numba(weight, keep, corr, gram)
     if name == "triton":
         from sparseswaps_prune.core.backends.triton_search import best_swaps_triton

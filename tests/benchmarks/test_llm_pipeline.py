@@ -24,13 +24,13 @@ def test_tiny_run_prints_and_writes_rows(bench, tmp_path, capsys):
     t0, t2 = rows
     assert t0["n_swaps"] == 0 and t0["seconds_per_iter"] is None and t0["mean_layer_reduction"] == 0
     assert t2["n_swaps"] > 0 and t2["mean_layer_reduction"] >= 0 and t2["seconds_per_iter"] >= 0
-    assert t2["loss_refined"] <= t2["loss_warmstart"]
+    assert t2["loss_refined"] <= t2["loss_start"]
     for row in rows:
         assert row["blocks_run"] == row["blocks_total"] == 2 and not row["extrapolated"]
         assert len(row["blocks"]) == 2 and row["peak_memory_bytes"] > 0
         assert row["full_model_seconds"] == pytest.approx(row["capture_seconds"] + 2 * row["mean_block_seconds"])
-    # every run starts from the same dense weights: block 0 sees the same inputs and warmstart in both runs
-    assert t2["blocks"][0]["loss_warmstart"] == pytest.approx(t0["blocks"][0]["loss_warmstart"], rel=1e-9)
+    # every run starts from the same dense weights: block 0 sees the same inputs and start mask in both runs
+    assert t2["blocks"][0]["loss_start"] == pytest.approx(t0["blocks"][0]["loss_start"], rel=1e-9)
     table = [line.split() for line in printed.splitlines() if line.split()[:1] in (["0"], ["2"])]
     assert [line[0] for line in table] == ["0", "2"] and table[0][5] == "-" and table[0][6] == "0"
 
@@ -42,7 +42,7 @@ def test_extrapolates_from_the_blocks_run(bench, capsys):
     (row,) = rows
     assert row["blocks_run"] == 1 and row["blocks_total"] == 2 and row["extrapolated"]
     assert row["full_model_seconds"] == pytest.approx(row["capture_seconds"] + 2 * row["mean_block_seconds"])
-    assert "includes the warmstart" in printed  # no T=0 run to subtract
+    assert "includes the start mask" in printed  # no T=0 run to subtract
 
 
 def test_llama_configs_match_the_real_models(bench):

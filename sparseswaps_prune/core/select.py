@@ -1,0 +1,50 @@
+"""Selection primitives: keep the highest scores under a budget (per row, per layer or N:M).
+
+Ties are broken deterministically by a stable sort: among equal scores the lower index is kept. Every mask
+source (score warmstarts, SparseGPT's per-block selection, ADMM, the layer pruning) selects through here.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+from sparseswaps_prune.core.checks import check_budget, kept_per_row
+
+Scope = Literal["row", "layer"]
+
+
+def select_mask(
+    scores: torch.Tensor,
+    *,
+    sparsity: float | None = None,
+    nm: tuple[int, int] | None = None,
+    scope: Scope = "row",
+) -> torch.Tensor:
+    """Keep the highest ``scores`` under a budget; returns a bool mask shaped like ``scores`` (True = kept).
+
+    ``scope="row"`` keeps ``d_in - round(sparsity * d_in)`` per row; ``scope="layer"`` keeps
+    ``numel - round(sparsity * numel)`` over the matrix; ``nm=(n, m)`` keeps ``n`` per block of ``m``
+    (``scope`` is then irrelevant). Equal scores keep the lower (row-major) index.
+    """
+    if scope not in ("row", "layer"):
+        raise ValueError(f"scope must be 'row' or 'layer', got {scope!r}")
+    d_out, d_in = scores.shape
+    check_budget(sparsity, nm, d_in)
+    if nm is not None:
+        n, m = nm
+        blocks = scores.reshape(d_out, d_in // m, m)
+        return keep_top(blocks, n).reshape(d_out, d_in)
+    if scope == "row":
+        return keep_top(scores, kept_per_row(sparsity, d_in))
+    return keep_top(scores.reshape(1, -1), kept_per_row(sparsity, scores.numel())).reshape(d_out, d_in)
+
+
+def keep_top(scores: torch.Tensor, k: int | torch.Tensor) -> torch.Tensor:
+    """Bool mask of the ``k`` largest entries along the last dim (``k`` an int, or a tensor broadcasting
+    against ``scores[..., :1]`` for per-row counts); stable, so among equal scores the lower index is kept."""
+    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices
+    position = torch.arange(scores.shape[-1], device=scores.device).expand_as(scores)
+    keep = torch.zeros_like(scores, dtype=torch.bool)
+    return keep.scatter_(-1, order, position < k)

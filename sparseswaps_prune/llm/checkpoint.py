@@ -1,0 +1,341 @@
+"""Checkpoints of the block-wise pipeline: what a finished block leaves on disk, and resuming from it.
+
+A checkpoint directory holds, after block ``k - 1`` finished:
+
+* ``block_0000.pt`` ... ``block_{k-1}.pt``: each finished block's masks, re-fitted and dense weights, reports;
+* ``inputs_<key>_{k}.pt`` (one per token set: ``fit``, ``holdout``): the inputs of block ``k``;
+* ``progress.json``: the marker. It names the files above (and only those count) and records the
+  :class:`Fingerprint` of the run: per-part hashes of everything that changes the output (model config and
+  weights, dtype, calibration and held-out windows, options) plus the options themselves.
+
+Block ``k`` is recorded by writing ``block_{k}.pt`` and ``inputs_<key>_{k+1}.pt`` under new names, then atomically
+replacing ``progress.json`` (the commit point), then deleting block ``k``'s inputs. A crash anywhere in between
+leaves either the old marker with its files intact or the new one with its files intact; files that no marker
+names (an interrupted write, ``*.tmp``) are removed on the next start. A restart with a different model, dtype,
+calibration data or options stops with a :class:`CheckpointMismatch` naming what differs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import hashlib
+import json
+import logging
+import re
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from sparseswaps_prune.atomic import save_json, save_torch
+from sparseswaps_prune.llm.capture import BlockInputs
+
+logger = logging.getLogger(__name__)
+
+FORMAT = 2
+PROGRESS = "progress.json"
+# Every name this module writes (and the temporary files of their atomic writes); nothing else in the directory
+# (e.g. the job's dense.json) is ever removed.
+_OWN_FILE = re.compile(r"^(block_\d+\.pt|inputs_\w+\.pt|\.(block_|inputs_|progress\.json).*\.tmp)$")
+# Config entries that do not change the computation (paths, versions, the dtype: a part of its own).
+_CONFIG_IGNORED = {"_name_or_path", "transformers_version", "torch_dtype", "dtype", "_commit_hash"}
+
+
+class CheckpointMismatch(ValueError):
+    """The checkpoint in a directory belongs to another run (its message says which part differs)."""
+
+
+def to_plain(obj: Any) -> Any:
+    """JSON-ready form of an options object: dataclasses (nested ones included; each gets its class name under
+    ``"type"``), mappings, tuples/lists/sets, enums, paths, dtypes and JSON scalars; anything else as ``repr``."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        fields = {f.name: to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+        return {"type": type(obj).__name__, **fields}
+    if isinstance(obj, dict):
+        return {str(k): to_plain(v) for k, v in obj.items()}
+    if isinstance(obj, (tuple, list)):
+        return [to_plain(v) for v in obj]
+    if isinstance(obj, (set, frozenset)):
+        return sorted((to_plain(v) for v in obj), key=repr)
+    if isinstance(obj, enum.Enum):
+        return to_plain(obj.value)
+    if isinstance(obj, float) and obj != obj:
+        return "nan"
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    if isinstance(obj, (Path, torch.dtype, torch.device)):
+        return str(obj)
+    return repr(obj)
+
+
+def _flatten(obj: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(obj, dict):
+        out: dict[str, Any] = {}
+        for key, value in obj.items():
+            out |= _flatten(value, f"{prefix}.{key}" if prefix else key)
+        return out
+    return {prefix: obj}
+
+
+def _digest(data: Any) -> str:
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def tokens_digest(tokens: torch.Tensor | None) -> str:
+    """Hash of a token tensor (its shape and int64 values); ``"none"`` for None."""
+    if tokens is None:
+        return "none"
+    h = hashlib.sha256(str(tuple(tokens.shape)).encode())
+    h.update(tokens.detach().to("cpu", torch.int64).contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def _tensor_bytes(t: torch.Tensor) -> memoryview:
+    t = t.detach().to("cpu").contiguous().reshape(-1)
+    return memoryview(t.view(torch.uint8).numpy())
+
+
+def model_parts(model: nn.Module) -> dict[str, str]:
+    """What identifies a model's computation: ``model_config`` (hash of its config without paths, versions and
+    dtype; the class name without a config), ``model_weights`` (sha256 over every parameter's and buffer's name,
+    dtype, shape and bytes: about 1 s per GB) and ``dtype`` (the parameters' dtypes, e.g. ``"float32"``)."""
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "to_dict"):
+        config_data = {k: v for k, v in config.to_dict().items() if k not in _CONFIG_IGNORED}
+    else:
+        config_data = {}
+    config_data = {"class": type(model).__name__, "config": to_plain(config_data)}
+    h = hashlib.sha256()
+    dtypes = set()
+    for kind, named in (("p", model.named_parameters()), ("b", model.named_buffers())):
+        for name, tensor in named:
+            if kind == "p":
+                dtypes.add(str(tensor.dtype).removeprefix("torch."))
+            h.update(f"{kind}:{name}:{tensor.dtype}:{tuple(tensor.shape)};".encode())
+            h.update(_tensor_bytes(tensor))
+    return {
+        "model_config": _digest(config_data),
+        "model_weights": h.hexdigest()[:16],
+        "dtype": ",".join(sorted(dtypes)) or "none",
+    }
+
+
+@dataclass
+class Fingerprint:
+    """Per-part hashes of everything that changes a run's output (``parts``), its options as plain JSON, and the
+    values of its other settings (``settings``, e.g. ``keep_dense``), so that a mismatch can say what changed.
+
+    Parts (see :func:`fingerprint`): ``model_config``, ``model_weights``, ``dtype``, ``options``, ``calibration``,
+    ``holdout`` and one per setting."""
+
+    parts: dict[str, str]
+    options: Any = None
+    settings: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"parts": dict(self.parts), "options": self.options, "settings": dict(self.settings)}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> Fingerprint | None:
+        """The fingerprint :meth:`to_dict` wrote; None for anything else (e.g. an older single-hash format)."""
+        if not isinstance(data, dict) or not isinstance(data.get("parts"), dict):
+            return None
+        return cls(dict(data["parts"]), data.get("options"), dict(data.get("settings") or {}))
+
+    def differences(self, other: Fingerprint) -> list[str]:
+        """What differs from ``other`` (the new run), in words, e.g. ``["another model (weights differ)"]``."""
+        a, b = self.parts, other.parts
+        changed = {key for key in a.keys() | b.keys() if a.get(key) != b.get(key)}
+        out = []
+        if "dtype" in changed:
+            out.append(f"another dtype ({a.get('dtype')} -> {b.get('dtype')})")
+            changed.discard("model_weights")  # a cast changes every weight's bytes
+        model = [what for what, key in (("config", "model_config"), ("weights", "model_weights")) if key in changed]
+        if model:
+            out.append(f"another model ({'/'.join(model)} differ{'s' if model == ['config'] else ''})")
+        if "options" in changed:
+            old, new = _flatten(self.options or {}), _flatten(other.options or {})
+            diffs = [f"{k} {old.get(k, '(none)')} -> {new.get(k, '(none)')}" for k in sorted(old.keys() | new.keys())
+                     if old.get(k) != new.get(k)]  # fmt: skip
+            out.append(f"other options: {'; '.join(diffs) or 'they differ'}")
+        for key in ("calibration", "holdout"):
+            if key in changed:
+                out.append(f"other {key} windows")
+        settings = sorted(changed - {"dtype", "model_config", "model_weights", "options", "calibration", "holdout"})
+        if settings:
+            diffs = [f"{k} {self.settings.get(k, '(none)')} -> {other.settings.get(k, '(none)')}" for k in settings]
+            out.append(f"other settings: {'; '.join(diffs)}")
+        return out
+
+
+def fingerprint(
+    model: nn.Module,
+    options: Any,
+    calib_tokens: torch.Tensor,
+    holdout_tokens: torch.Tensor | None = None,
+    *,
+    known_model_parts: dict[str, str] | None = None,
+    **settings: Any,
+) -> Fingerprint:
+    """The :class:`Fingerprint` of pruning the (still dense) ``model`` with ``options`` (any options object:
+    serialised by :func:`to_plain`) on ``calib_tokens`` / ``holdout_tokens``. ``known_model_parts`` (what
+    :func:`model_parts` returned for this model) saves hashing the weights again; each ``settings`` entry (e.g.
+    ``keep_dense=True``) becomes a part of its own."""
+    plain = to_plain(options)
+    parts = (known_model_parts or model_parts(model)) | {
+        "options": _digest(plain),
+        "calibration": tokens_digest(calib_tokens),
+        "holdout": tokens_digest(holdout_tokens),
+    }
+    plain_settings = {key: to_plain(value) for key, value in settings.items()}
+    parts |= {key: _digest(value) for key, value in plain_settings.items()}
+    return Fingerprint(parts, plain, plain_settings)
+
+
+def mismatch_message(state: Path, saved: Fingerprint | None, current: Fingerprint) -> str | None:
+    """None if ``saved`` equals ``current``, else the error message naming what differs and how to start over."""
+    if saved is not None and saved.parts == current.parts:
+        return None
+    if saved is None:
+        what = "was written by an older version (it records no per-part fingerprint)"
+    else:
+        what = f"was made with {' and '.join(saved.differences(current)) or 'another run'}"
+    return f"the checkpoint in {state} {what}; to start over, delete {state} or use a new output directory (--out)"
+
+
+def _read_progress(state: Path) -> dict[str, Any] | None:
+    path = state / PROGRESS
+    if not path.exists():
+        return None
+    try:
+        progress = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise CheckpointMismatch(
+            f"{path} is unreadable ({err}); to start over, delete {state} or use a new output directory (--out)"
+        ) from None
+    return progress if isinstance(progress, dict) else {}
+
+
+def check(state: str | Path, current: Fingerprint) -> bool:
+    """Raise :class:`CheckpointMismatch` if ``state`` holds a checkpoint of another run; True if it holds one
+    of this run, False if none."""
+    state = Path(state)
+    progress = _read_progress(state)
+    if progress is None:
+        return False
+    saved = Fingerprint.from_dict(progress.get("fingerprint")) if progress.get("format") == FORMAT else None
+    message = mismatch_message(state, saved, current)
+    if message is not None:
+        raise CheckpointMismatch(message)
+    return True
+
+
+def _named_files(progress: dict[str, Any] | None) -> set[str]:
+    if progress is None:
+        return set()
+    return set(progress.get("blocks", [])) | set(progress.get("inputs", {}).values())
+
+
+def _remove(path: Path) -> None:
+    path.unlink(missing_ok=True)
+
+
+def remove_strays(state: Path, progress: dict[str, Any] | None) -> None:
+    """Delete this module's files in ``state`` that ``progress`` does not name (left by an interrupted write)."""
+    keep = _named_files(progress) | {PROGRESS}
+    if not state.is_dir():
+        return
+    for path in sorted(state.iterdir()):
+        if path.name not in keep and _OWN_FILE.match(path.name) and path.is_file():
+            logger.debug("removing %s (not part of the checkpoint)", path)
+            _remove(path)
+
+
+@dataclass
+class Resumed:
+    """A checkpoint to continue from: the next block's index and inputs; :meth:`blocks` yields the finished
+    blocks' payloads (``masks``, ``warmstart``, ``weights``, ``dense``: name -> tensor; ``reports``: dicts)."""
+
+    state: Path
+    next_block: int
+    inputs: dict[str, BlockInputs]
+    block_files: list[str]
+
+    def blocks(self) -> Iterator[tuple[int, dict[str, Any]]]:
+        """``(index, payload)`` of every finished block, loaded one at a time."""
+        for index, name in enumerate(self.block_files):
+            yield index, torch.load(self.state / name, weights_only=True)
+
+
+def load(state: str | Path, current: Fingerprint) -> Resumed | None:
+    """The checkpoint in ``state`` to continue from, or None if there is none (files of an interrupted first
+    block are removed). Raises :class:`CheckpointMismatch` if it belongs to another run, or is incomplete."""
+    state = Path(state)
+    if not check(state, current):
+        remove_strays(state, None)
+        return None
+    progress = _read_progress(state)
+    names = _named_files(progress)
+    missing = sorted(name for name in names if not (state / name).is_file())
+    if missing:
+        raise CheckpointMismatch(
+            f"the checkpoint in {state} is incomplete ({', '.join(missing)} missing); to start over, delete "
+            f"{state} or use a new output directory (--out)"
+        )
+    remove_strays(state, progress)
+    next_block = int(progress["next_block"])
+    inputs = {key: BlockInputs.load(state / name) for key, name in sorted(progress["inputs"].items())}
+    for key, part in inputs.items():
+        if part.block_index != next_block:
+            raise CheckpointMismatch(
+                f"the checkpoint in {state} is inconsistent ({key} inputs feed block {part.block_index}, the marker "
+                f"says block {next_block}); to start over, delete {state} or use a new output directory (--out)"
+            )
+    logger.info("resuming at block %d from %s", next_block, state)
+    return Resumed(state, next_block, inputs, list(progress["blocks"]))
+
+
+def save_block(
+    state: str | Path,
+    current: Fingerprint,
+    index: int,
+    inputs: dict[str, BlockInputs],
+    layers: list[Any],
+    result: Any,
+    reports: list[Any],
+) -> None:
+    """Record block ``index`` as finished: its masks (and re-fitted and dense weights, and reports, from the
+    pipeline's ``result``), the next block's ``inputs``, then the progress marker (the commit point), then
+    delete what the previous marker named and this one does not."""
+    state = Path(state)
+    names = [layer.name for layer in layers]
+    by_name = {layer.name: layer for layer in layers}
+    refitted = {r.name: by_name[r.name].dense_weight_2d().cpu() for r in reports if r.updated_rows is not None}
+    block_file = f"block_{index:04d}.pt"
+    save_torch(
+        {
+            "masks": {n: result.masks[n] for n in names},
+            "warmstart": {n: result.warmstart_masks[n] for n in names},
+            "weights": refitted,
+            "dense": {n: result.dense_weights[n] for n in names if n in result.dense_weights},
+            "reports": [asdict(r) for r in reports],
+        },
+        state / block_file,
+    )
+    input_files = {}
+    for key, part in sorted(inputs.items()):
+        input_files[key] = f"inputs_{key}_{index + 1:04d}.pt"
+        part.save(state / input_files[key])
+    progress = {
+        "format": FORMAT,
+        "fingerprint": current.to_dict(),
+        "next_block": index + 1,
+        "blocks": [f"block_{i:04d}.pt" for i in range(index + 1)],
+        "inputs": input_files,
+    }
+    save_json(progress, state / PROGRESS)
+    remove_strays(state, progress)

@@ -1,0 +1,137 @@
+"""benchmarks/compare_methods.py: settings as build_spec options, stage labels, and the table on a tiny model."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from sparseswaps_prune.core.spec import DEFAULT_SPEC, build_spec
+from sparseswaps_prune.llm.experiment import Experiment
+from sparseswaps_prune.llm.models import TINY_VOCAB_SIZE, tiny_model
+
+
+@pytest.fixture(scope="module")
+def compare(benchmark_script):
+    return benchmark_script("compare_methods")
+
+
+def tiny_experiment(args, **config) -> Experiment:
+    """A tiny random LLaMA (default: 2 blocks, hidden 64) with random calibration, held-out and evaluation ids."""
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, TINY_VOCAB_SIZE, (6, 32), generator=gen)
+    return Experiment(
+        tiny_model("llama", **config),
+        None,
+        tokens[:4],
+        holdout_tokens=tokens[4:],
+        eval_tokens=torch.randint(0, TINY_VOCAB_SIZE, (1, 128), generator=gen),
+        seqlen=32,
+    )
+
+
+def no_experiment(args) -> Experiment:
+    raise AssertionError("finished rows must be read back without building the experiment")
+
+
+def test_settings_are_build_spec_options(compare):
+    assert compare.parse_setting("start=admm,scope=layer,refine=none,weights=start,guard=false,max_iters=5") == {
+        "start": "admm",
+        "scope": "layer",
+        "refine": "none",
+        "weights": "start",
+        "guard": False,
+        "max_iters": 5,
+    }
+    assert compare.parse_setting("default") == compare.parse_setting("") == {}
+    assert compare.parse_setting("refine=dsnot,dsnot_skip=none") == {"refine": "dsnot", "dsnot_skip": None}
+    for bad in ("warmstart=wanda", "sparsity=0.5", "guard=maybe", "refine"):
+        with pytest.raises(SystemExit):
+            compare.parse_setting(bad)
+    # on top of DEFAULT_SPEC at the pattern, T from --max-iters unless given; scope=layer dropped at N:M
+    assert compare.setting_spec({}, "60%", 25) == DEFAULT_SPEC
+    assert compare.setting_spec({}, "70%", 5) == build_spec(sparsity=0.7, max_iters=5)
+    published = {"start": "admm", "scope": "layer", "refine": "none", "weights": "start"}
+    assert compare.setting_spec(published, "2:4", 25) == build_spec(nm=(2, 4), start="admm", refine="none",
+                                                                    weights="start")  # fmt: skip
+    assert compare.setting_spec({"refine": "dsnot", "dsnot_skip": None}, "60%", 25).refine.skip is None
+    with pytest.raises(ValueError, match="dsnot_skip"):
+        compare.setting_spec({"dsnot_skip": None}, "60%", 25)
+
+
+def test_labels_name_every_stage(compare):
+    def label(text, pattern="60%"):
+        return compare.label(compare.setting_spec(compare.parse_setting(text), pattern, 25))
+
+    assert label("start=admm,scope=layer,refine=none,weights=start") == "admm/layer -> none -> start weights"
+    assert label("start=admm,scope=layer,refine=none,weights=start", "2:4") == "admm -> none -> start weights"
+    assert label("default") == "wanda -> sparseswaps T=25 -> ls (guarded)"
+    assert label("start=sparsegpt,scope=layer,refine=none,weights=obs") == "sparsegpt/layer -> none -> obs"
+    assert label("refine=none,damp=0.01,guard=false") == "wanda -> none -> ls damp 0.01"
+    assert label("refine=dsnot,dsnot_skip=none,weights=keep") == "wanda -> dsnot (all layers) -> keep"
+    assert label("objective=refit,max_iters=5") == "wanda -> sparseswaps T=5 (refit objective) -> ls (guarded)"
+    assert label("start=sparsegpt,start_damp=0.05,weights=alps") == (
+        "sparsegpt damp 0.05 -> sparseswaps T=25 -> alps update"
+    )
+    preset = [label(text) for text in compare.PRESETS["admm-alps"]]
+    assert len(set(preset)) == len(preset)
+
+
+def smaller_experiment(args) -> Experiment:
+    """One block, hidden 32, MLP 48: ADMM's and ALPS's iterations stay cheap on a loaded CPU."""
+    return tiny_experiment(args, num_hidden_layers=1, hidden_size=32, intermediate_size=48)
+
+
+def test_admm_alps_preset_on_a_tiny_model(compare, tmp_path, capsys):
+    args = ["--out", str(tmp_path), "--patterns", "60%", "--starts", "--refiners", "--preset", "admm-alps"]
+    args += ["--cloze-items", "0", "--max-iters", "3", "--plot", str(tmp_path / "plot.png")]
+    results = compare.main(args, make_experiment=smaller_experiment)
+    printed = capsys.readouterr().out
+    assert list(results) == ["60%"]
+    assert [r["label"] for r in results["60%"]] == [
+        "admm/layer -> none -> start weights",
+        "alps/layer -> none -> start weights",
+        "sparsegpt/layer -> none -> obs",
+        "wanda -> sparseswaps T=3 -> ls (guarded)",
+        "admm -> sparseswaps T=3 -> ls (guarded)",
+        "alps -> sparseswaps T=3 -> ls (guarded)",
+        "alps -> none -> ls (guarded)",
+    ]
+    for rows in results.values():
+        for row in rows:
+            t = row["totals"]
+            assert t["loss_final"] > 0 and t["holdout_final"] > 0 and math.isfinite(row["perplexity"])
+            assert t["loss_refined"] <= t["loss_start"] * (1 + 1e-9)
+            assert f"| {row['label']} | {t['loss_final']:.4g} | {t['holdout_final']:.4g} |" in printed
+    published = results["60%"][0]["totals"]  # ADMM's own weights lower its mask's loss with the dense weights
+    assert published["loss_final"] < published["loss_refined"]
+    assert (tmp_path / "plot.png").stat().st_size > 0
+
+    # finished rows are read back without the model, with the same table
+    again = compare.main([*args, "--report-only"], make_experiment=no_experiment)
+    assert [r["totals"] for r in again["60%"]] == [r["totals"] for r in results["60%"]]
+    assert capsys.readouterr().out.count("| 60% |") == 7
+
+
+def test_rows_of_another_spec_are_not_read(compare, tmp_path, capsys):
+    args = ["--out", str(tmp_path), "--patterns", "60%", "--starts", "wanda", "--refiners", "none", "sparseswaps"]
+    args += ["--cloze-items", "0", "--max-iters", "2"]
+    results = compare.main(args, make_experiment=tiny_experiment)
+    assert [r["label"] for r in results["60%"]] == ["wanda -> none -> keep", "wanda -> sparseswaps T=2 -> keep"]
+    none, swaps = (r["totals"] for r in results["60%"])
+    assert none["n_swaps"] == 0 and none["loss_final"] == none["loss_refined"] == none["loss_start"]
+    assert swaps["loss_final"] == swaps["loss_refined"] <= swaps["loss_start"]
+    # a row written by an earlier version (no typed spec) at the same path is skipped by --report-only ...
+    path = next(tmp_path.glob("60__wanda__none__keep.json"))
+    row = json.loads(path.read_text())
+    path.write_text(json.dumps({**row, "options": {"warmstart": "wanda", "refine": "none", "max_iters": 0}}))
+    capsys.readouterr()
+    report = compare.main([*args, "--report-only"], make_experiment=no_experiment)
+    assert [r["label"] for r in report["60%"]] == ["wanda -> sparseswaps T=2 -> keep"]
+    assert "not run yet (--report-only): 60% wanda -> none -> keep" in capsys.readouterr().out
+    # ... and re-run otherwise
+    rerun = compare.main(args, make_experiment=tiny_experiment)
+    assert rerun["60%"][0]["totals"]["loss_final"] == pytest.approx(none["loss_final"])
+    assert json.loads(path.read_text())["options"]["spec"]["refine"]["kind"] == "none"

@@ -1,0 +1,142 @@
+"""The per-layer seam: prune_layer composes the stages exactly as the stage functions do."""
+
+import pytest
+import torch
+
+from sparseswaps_prune.core.admm import admm_prune, admm_update
+from sparseswaps_prune.core.alps import alps_prune, alps_update
+from sparseswaps_prune.core.dsnot import dsnot_refine
+from sparseswaps_prune.core.gram import GramAccumulator
+from sparseswaps_prune.core.layer import prune_layer
+from sparseswaps_prune.core.losses import row_losses, weight_losses
+from sparseswaps_prune.core.refine import refine_mask
+from sparseswaps_prune.core.refit import refit_weights
+from sparseswaps_prune.core.sparsegpt import sparsegpt_prune
+from sparseswaps_prune.core.spec import DEFAULT_SPEC, build_spec
+from sparseswaps_prune.core.warmstart import warmstart_mask
+
+
+def problem(d_out=12, d_in=32, tokens=96, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    weight = torch.randn(d_out, d_in, generator=gen)
+    acc = GramAccumulator(d_in, track_sum=True)
+    acc.add(torch.randn(tokens, d_in, generator=gen) * torch.linspace(0.2, 2.0, d_in))
+    held = torch.randn(tokens // 3, d_in, generator=gen) * torch.linspace(0.2, 2.0, d_in)
+    return weight, acc, held.T @ held
+
+
+def test_default_spec_is_start_swaps_then_least_squares():
+    weight, acc, _ = problem()
+    out = prune_layer(weight, acc.gram)
+    start = warmstart_mask(weight, "wanda", sparsity=0.6, gram=acc.gram)
+    refined = refine_mask(weight, acc.gram, start, max_iters=DEFAULT_SPEC.refine.max_iters)
+    assert torch.equal(out.start_mask, start) and torch.equal(out.keep_mask, refined.mask)
+    assert torch.equal(out.weight, refit_weights(weight, acc.gram, refined.mask, damp=DEFAULT_SPEC.weights.damp))
+    assert torch.equal(out.loss.start, row_losses(weight, acc.gram, start))
+    assert torch.equal(out.loss.refined, row_losses(weight, acc.gram, refined.mask))
+    assert torch.equal(out.loss.final, weight_losses(weight, out.weight, acc.gram))
+    assert out.loss.final.sum() < out.loss.refined.sum() < out.loss.start.sum()
+    assert torch.equal(out.n_swaps, refined.n_swaps) and out.iters == refined.iters
+    assert out.holdout is None and out.updated_rows == 1.0 and not out.weight[~out.keep_mask].any()
+
+
+def test_keep_weights_reports_the_mask_losses():
+    weight, acc, held = problem(seed=1)
+    out = prune_layer(weight, acc.gram, build_spec(weights="keep", nm=(2, 4)), holdout_gram=held)
+    assert out.weight is None and out.updated_rows is None
+    assert torch.equal(out.loss.final, out.loss.refined) and torch.equal(out.holdout.final, out.holdout.refined)
+    assert torch.equal(out.holdout.start, row_losses(weight, held, out.start_mask))
+    assert (out.keep_mask.reshape(12, -1, 4).sum(-1) == 2).all()
+
+
+def test_guard_keeps_an_update_only_where_it_lowers_the_held_out_loss():
+    weight, acc, held = problem(tokens=40, seed=2)
+    spec = build_spec(weights="ls", damp=0.0)
+    unguarded = prune_layer(weight, acc.gram, build_spec(spec, guard=False), holdout_gram=held)
+    out = prune_layer(weight, acc.gram, spec, holdout_gram=held)
+    better = weight_losses(weight, unguarded.weight, held) < row_losses(weight, held, out.keep_mask)
+    assert 0 < int(better.sum()) < 12  # the case exercises both branches
+    masked = torch.where(out.keep_mask, weight, 0.0)
+    assert torch.equal(out.weight[better], unguarded.weight[better])
+    assert torch.equal(out.weight[~better], masked[~better])
+    assert out.updated_rows == pytest.approx(float(better.float().mean()))
+    assert (out.holdout.final <= out.holdout.refined).all()
+    assert (unguarded.holdout.final > unguarded.holdout.refined).any()
+
+
+def test_refit_objective_yields_its_own_weights():
+    weight, acc, _ = problem(seed=3)
+    out = prune_layer(weight, acc.gram, build_spec(objective="refit", max_iters=5))
+    searched = refine_mask(weight, acc.gram, out.start_mask, max_iters=5, objective="refit", damp=1e-3)
+    assert torch.equal(out.keep_mask, searched.mask) and torch.equal(out.weight, searched.weight)
+
+
+def test_sparsegpt_as_published_and_obs_weights():
+    weight, acc, _ = problem(seed=4)
+    spec = build_spec(start="sparsegpt", scope="layer", refine="none", weights="obs")
+    out = prune_layer(weight, acc.gram, spec)
+    published = sparsegpt_prune(weight, acc.gram, sparsity=0.6, scope="layer")
+    assert torch.equal(out.keep_mask, published.keep_mask)
+    assert torch.allclose(out.weight, published.weight, atol=1e-5)
+    assert out.n_swaps.sum() == 0 and out.iters == 0
+
+
+def test_dsnot_needs_feature_stats_and_skips_by_name():
+    weight, acc, _ = problem(seed=5)
+    spec = build_spec(refine="dsnot", weights="keep")
+    with pytest.raises(ValueError, match=r"layer q: .*feature_stats"):
+        prune_layer(weight, acc.gram, spec, name="q")
+    stats = acc.feature_stats(n_samples=4)
+    out = prune_layer(weight, acc.gram, spec, feature_stats=stats, name="model.layers.0.self_attn.q_proj")
+    mean, var, sq_mean = stats
+    want = dsnot_refine(weight, out.start_mask, feature_mean=mean, feature_var=var, feature_sq_mean=sq_mean)
+    assert torch.equal(out.keep_mask, want.mask)
+    skipped = prune_layer(weight, acc.gram, spec, feature_stats=stats, name="model.layers.0.mlp.up_proj")
+    assert torch.equal(skipped.keep_mask, skipped.start_mask)
+
+
+def test_prior_mask_prunes_the_remaining_weights():
+    weight, acc, _ = problem(seed=6)
+    prior = torch.rand(12, 32, generator=torch.Generator().manual_seed(0)) > 0.25
+    out = prune_layer(weight, acc.gram, build_spec(sparsity=0.5), prior_mask=prior)
+    assert not (out.keep_mask & ~prior).any()
+    kept = prior.sum(1)
+    assert torch.equal(out.keep_mask.sum(1), kept - torch.round(0.5 * kept).long())
+    with pytest.raises(ValueError, match="already pruned"):
+        prune_layer(weight, acc.gram, build_spec(nm=(2, 4)), prior_mask=prior)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"gram": torch.eye(5)}, ValueError, r"layer fc: gram must have shape"),
+        ({"spec": {"sparsity": 0.5}}, TypeError, "PruneSpec"),
+        ({"holdout_gram": torch.full((32, 32), float("nan"))}, ValueError, "layer fc: holdout_gram contains NaN"),
+        ({"spec": build_spec(nm=(3, 5))}, ValueError, "does not divide"),
+    ],
+)
+def test_bad_input_names_the_layer(kwargs, error, match):
+    weight, acc, _ = problem()
+    kwargs = {"gram": acc.gram} | kwargs
+    gram = kwargs.pop("gram")
+    with pytest.raises(error, match=match):
+        prune_layer(weight, gram, name="fc", **kwargs)
+
+
+@pytest.mark.parametrize("start", ["sparsegpt", "admm", "alps"])
+def test_published_methods_keep_their_own_weights(start):
+    """``start=<method>, refine="none", weights="start"`` is the method as published; ``weights=<method>`` is its
+    update on another mask."""
+    weight, acc, _ = problem(seed=7)
+    out = prune_layer(weight, acc.gram, build_spec(start=start, scope="layer", refine="none", weights="start"))
+    if start == "sparsegpt":
+        want = sparsegpt_prune(weight, acc.gram, sparsity=0.6, scope="layer")
+    else:
+        want = (admm_prune if start == "admm" else alps_prune)(weight, acc.gram, sparsity=0.6, scope="layer")
+    assert torch.equal(out.keep_mask, want.keep_mask) and torch.equal(out.weight, want.weight)
+    assert out.loss.final.sum() < out.loss.refined.sum()
+    if start != "sparsegpt":
+        spec = build_spec(weights=start, guard=False)
+        swapped = prune_layer(weight, acc.gram, spec)
+        update = (admm_update if start == "admm" else alps_update)(weight, acc.gram, swapped.keep_mask)
+        assert torch.equal(swapped.weight, update)

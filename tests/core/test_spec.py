@@ -1,0 +1,99 @@
+"""The typed spec: one default, meaningless combinations refused, round trip through JSON."""
+
+import json
+
+import pytest
+
+from sparseswaps_prune.core.spec import (
+    DEFAULT_SPEC,
+    Budget,
+    DSnoTRefine,
+    KeepWeights,
+    LeastSquares,
+    NoRefine,
+    OBSUpdate,
+    PruneSpec,
+    ScoreStart,
+    SparseGPTStart,
+    SwapRefine,
+    build_spec,
+)
+
+
+def test_default_spec():
+    assert DEFAULT_SPEC == PruneSpec(
+        budget=Budget(sparsity=0.6), start=ScoreStart("wanda"), refine=SwapRefine(max_iters=25), weights=LeastSquares()
+    )
+    assert DEFAULT_SPEC.describe() == "60% per row: wanda -> sparseswaps T=25 (mask) -> ls (guarded)"
+    assert build_spec() == DEFAULT_SPEC
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        DEFAULT_SPEC,
+        build_spec(nm=(2, 4), start="sparsegpt", weights="obs", start_damp=0.05),
+        build_spec(start="admm", scope="layer", refine="none", weights="start"),
+        build_spec(start="alps", start_damp=0.02, weights="alps", guard=True),
+        build_spec(start="wanda", weights="admm", damp=0.2),
+        build_spec(refine="dsnot", weights="keep", scope="layer"),
+        build_spec(refine="none", weights="cg", guard=False, damp=0.0),
+        build_spec(objective="refit", max_iters=3, search_dtype="float64", backend="torch", eps=1e-6),
+    ],
+)
+def test_json_round_trip(spec):
+    assert PruneSpec.from_dict(json.loads(json.dumps(spec.to_dict()))) == spec
+
+
+def test_build_spec_switches_stages_and_keeps_the_rest():
+    spec = build_spec(nm=(2, 4))
+    assert spec.budget == Budget(nm=(2, 4)) and spec.refine == DEFAULT_SPEC.refine
+    assert build_spec(spec, sparsity=0.5).budget == Budget(sparsity=0.5)
+    assert build_spec(weights="cg").weights == LeastSquares(solver="cg")
+    assert build_spec(weights="obs").weights == OBSUpdate(damp=0.01, guard=False)
+    assert build_spec(weights="keep").weights == KeepWeights() and not build_spec(weights="keep").updates_weights
+    assert build_spec(refine="none").refine == NoRefine() and build_spec(refine="dsnot").refine == DSnoTRefine()
+    assert build_spec(start="sparsegpt").start == SparseGPTStart()
+    assert build_spec(max_iters=7, weights="ls").refine.max_iters == 7  # "ls" is the default: damp etc. kept
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"sparsity": 0.5, "nm": (2, 4)}, ValueError, "not both"),
+        ({"sparsity": 1.0}, ValueError, r"\[0, 1\)"),
+        ({"sparsity": float("nan")}, TypeError, "sparsity"),
+        ({"nm": (2, 4), "scope": "layer"}, ValueError, "scope='layer' has no meaning"),
+        ({"scope": "global"}, ValueError, "scope must be one of"),
+        ({"start": "random"}, ValueError, "start must be one of"),
+        ({"start_damp": 0.1}, ValueError, "start_damp is an option of start='sparsegpt', 'admm' or 'alps'"),
+        ({"weights": "start"}, ValueError, "start 'wanda' computes none"),
+        ({"start": "admm", "weights": "start"}, ValueError, "use refine='none'"),
+        ({"start": "admm", "refine": "none", "weights": "start", "damp": 0.1}, ValueError, "use start_damp"),
+        ({"refine": "dsnot", "max_iters": 3}, ValueError, "max_iters is an option of refine='sparseswaps'"),
+        ({"refine": "none", "objective": "refit"}, ValueError, "objective is an option of refine='sparseswaps'"),
+        ({"max_iters": 2.5}, TypeError, "max_iters must be an int"),
+        ({"max_iters": -1}, ValueError, "max_iters must be an int >= 0"),
+        ({"eps": -1.0}, ValueError, "eps must be >= 0"),
+        ({"weights": "keep", "damp": 0.1}, ValueError, "damp is an option of a weight update"),
+        ({"weights": "keep", "objective": "refit"}, ValueError, "LeastSquares"),
+        ({"weights": "cg", "objective": "refit"}, ValueError, "LeastSquares"),
+        ({"weights": "obs", "objective": "refit"}, ValueError, "LeastSquares"),
+        ({"damp": float("inf")}, ValueError, "damp must be a finite number"),
+        ({"damp": -1e-3}, ValueError, "damp must be >= 0"),
+        ({"guard": 1}, TypeError, "guard must be a bool"),
+        ({"start": "sparsegpt", "nm": (2, 3)}, ValueError, "multiple of m=3"),
+    ],
+)
+def test_meaningless_or_bad_options_are_refused(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        build_spec(**kwargs)
+
+
+def test_stages_are_type_checked():
+    with pytest.raises(TypeError, match="refine must be one of SwapRefine, DSnoTRefine, NoRefine"):
+        PruneSpec(refine=LeastSquares())
+    with pytest.raises(TypeError, match="budget must be a Budget"):
+        PruneSpec(budget=0.5)
+    with pytest.raises(ValueError, match="unknown weights kind"):
+        PruneSpec.from_dict(DEFAULT_SPEC.to_dict() | {"weights": {"kind": "magic"}})
