@@ -9,6 +9,7 @@ sparseswaps demo
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import logging
 import sys
@@ -89,11 +90,15 @@ def _prune(args: argparse.Namespace) -> int:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from sparseswaps_prune.llm.data import load_eval_tokens
+    from sparseswaps_prune.core.checks import check_device
+    from sparseswaps_prune.llm.data import check_source, load_eval_tokens
     from sparseswaps_prune.llm.evaluate import PAPER_TASKS, perplexity, zero_shot
     from sparseswaps_prune.llm.models import load_model
     from sparseswaps_prune.llm.tasks import write_builtin_cloze_task
 
+    check_device(args.device, "--device")
+    if args.ppl != "none":
+        check_source(args.ppl, "perplexity")
     model, tokenizer = load_model(args.model, gguf_file=args.gguf_file)
     results: dict[str, object] = {}
     if args.ppl != "none":
@@ -285,9 +290,26 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=level, handlers=[handler], format="%(levelname)s %(name)s: %(message)s")
     try:
         return args.func(args)
-    except (ValueError, TypeError, FileNotFoundError, ImportError) as err:
-        print(f"sparseswaps: error: {err}", file=sys.stderr)
+    except (ValueError, TypeError, OSError, ImportError) as err:
+        if args.verbose:
+            logging.getLogger(__name__).debug("traceback of the error below", exc_info=True)
+        print(f"sparseswaps: error: {_one_line(err, args)}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        resume = " (re-run the same command to resume)" if args.command == "prune" else ""
+        print(f"sparseswaps: interrupted{resume}", file=sys.stderr)
+        return 130
+
+
+def _one_line(err: BaseException, args: argparse.Namespace) -> str:
+    """``err`` as one line; for a full disk or an unwritable output, what to do."""
+    text = " ".join(str(err).split()) or type(err).__name__
+    if isinstance(err, OSError) and args.command == "prune":
+        if err.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)):
+            text += "; free some space (or choose another --out), then re-run the same command to resume"
+        elif err.errno in (errno.EACCES, errno.EPERM, errno.EROFS) and "--out" not in text:
+            text += "; make the output directory writable or choose another --out"
+    return text
 
 
 if __name__ == "__main__":

@@ -32,6 +32,44 @@ def check_number(
     return float(value)
 
 
+def check_device(device: str | int | torch.device, what: str = "device") -> torch.device:
+    """Return ``device`` as a ``torch.device`` if computation can run there now, else raise naming the fix.
+
+    Accepted: ``cpu``, and ``cuda``/``cuda:N`` (or the index ``N``), ``mps``, ``xpu``/``xpu:N`` when that backend is
+    available here (and ``N`` is below its device count). ``meta`` holds no data, so nothing can run on it.
+
+    Raises:
+        TypeError: ``device`` is not a str, an int or a ``torch.device``.
+        ValueError: an invalid device string (e.g. ``"tpu9"``), ``meta``, or a backend or index not available here.
+    """
+    if isinstance(device, bool) or not isinstance(device, (str, int, torch.device)):
+        raise TypeError(f"{what} must be a str such as 'cpu' or 'cuda:0', got {type(device).__name__}")
+    try:
+        parsed = torch.device(f"cuda:{device}" if isinstance(device, int) else device)
+    except RuntimeError:
+        raise ValueError(f"{what} {device!r} is not a device torch knows; use cpu, cuda, cuda:N or mps") from None
+    if parsed.type == "cpu":
+        return parsed
+    if parsed.type == "meta":
+        raise ValueError(f"{what} {str(device)!r} holds no data (meta); use cpu or cuda")
+    backend = getattr(torch, parsed.type, None) if parsed.type in ("cuda", "mps", "xpu") else None
+    if backend is None:
+        raise ValueError(f"{what} {str(device)!r} is not supported here; use cpu, cuda, cuda:N or mps")
+    available = parsed.type == "mps" and torch.backends.mps.is_available()
+    available = available or (parsed.type != "mps" and backend.is_available())
+    if not available:
+        raise ValueError(
+            f"{what} {str(device)!r} requested but {parsed.type.upper()} is not available on this machine; use cpu"
+        )
+    count = backend.device_count() if hasattr(backend, "device_count") else 1
+    if parsed.index is not None and parsed.index >= count:
+        raise ValueError(
+            f"{what} {str(device)!r} requested but this machine has {count} {parsed.type} device(s) "
+            f"({parsed.type}:0 to {parsed.type}:{count - 1})"
+        )
+    return parsed
+
+
 def check_weight(weight: torch.Tensor, *, what: str = "weight") -> None:
     """Raise unless ``weight`` is a finite floating 2-D tensor ``[d_out, d_in]``."""
     if not isinstance(weight, torch.Tensor):

@@ -15,7 +15,14 @@ import torch
 
 from sparseswaps_prune.core.admm import admm_prune, admm_update
 from sparseswaps_prune.core.alps import alps_prune, alps_update
-from sparseswaps_prune.core.checks import check_budget, check_gram, check_keeps_some, check_mask, check_weight
+from sparseswaps_prune.core.checks import (
+    check_budget,
+    check_device,
+    check_gram,
+    check_keeps_some,
+    check_mask,
+    check_weight,
+)
 from sparseswaps_prune.core.dsnot import dsnot_refine
 from sparseswaps_prune.core.losses import row_losses, weight_losses
 from sparseswaps_prune.core.refine import refine_mask
@@ -190,6 +197,8 @@ def _prune_layer(
         raise TypeError(f"spec must be a PruneSpec (e.g. build_spec(...)), got {type(spec).__name__}")
     check_weight(weight)
     check_gram(gram, weight.shape[1])
+    if device is not None:
+        check_device(device)
     budget = spec.budget
     check_budget(budget.sparsity, budget.nm, weight.shape[1])
     if budget.scope == "row":

@@ -12,7 +12,10 @@ Row models (one per objective):
   dtype (float32 by default) on a backend (:mod:`~sparseswaps_prune.core.backends`), then its ``dL`` is re-evaluated
   in float64 (:func:`~sparseswaps_prune.core.losses.swap_delta`), so an accepted swap never raises the float64 loss.
 * :class:`RefitRows`, the re-fit objective (the damped loss after re-fitting the kept weights): the float64
-  :class:`~sparseswaps_prune.core.refit_swaps.RefitState` and its exact rank-one updates.
+  :class:`~sparseswaps_prune.core.refit_swaps.RefitState` and its exact rank-one updates (``engine="torch"``, the
+  reference, any device), or the compiled CPU engine
+  :class:`~sparseswaps_prune.core.backends.refit_numba.NumbaRefitState` (``engine="numba"``: the same state with
+  lazy low-rank updates, restore vectors from the Gram and a pair scan that skips pruned inputs by an exact bound).
 
 Planners (one per scope):
 
@@ -36,9 +39,11 @@ import numpy as np
 import torch
 
 from sparseswaps_prune.core import refit_swaps as rs
-from sparseswaps_prune.core.backends import best_swaps, resolve_backend
+from sparseswaps_prune.core.backends import best_swaps, resolve_backend, resolve_refit_backend
+from sparseswaps_prune.core.backends.refit_numba import NumbaRefitState
 from sparseswaps_prune.core.checks import (
     check_budget,
+    check_device,
     check_gram,
     check_int,
     check_mask,
@@ -228,11 +233,13 @@ class MaskRows:
 
 class RefitRows:
     """Re-fit-objective row model of ``N`` rows: one :class:`~sparseswaps_prune.core.refit_swaps.RefitState`
-    (handles = slots).
+    (``engine="torch"``) or :class:`~sparseswaps_prune.core.backends.refit_numba.NumbaRefitState`
+    (``engine="numba"``, CPU); handles = slots. Both engines choose the same swaps (the float64 argmin, ties to the
+    smallest input indices).
 
     Attributes:
         keep: ``[N, d]`` bool mask, updated in place.
-        state: the float64 state of ``keep`` (replaced by a larger one when rows need more slots).
+        state: the float64 state of ``keep`` (the torch one is replaced by a larger one when rows need more slots).
         rounding: ``[N]`` float64 rounding floor of the state, ``ACCEPT_RTOL * w^T G w`` (on ``w64``'s device).
         fitted_before: ``[N, d]`` float64 re-fitted weights of the input mask.
     """
@@ -248,6 +255,7 @@ class RefitRows:
         row_batch: int,
         cross: bool,
         row_offset: int = 0,
+        engine: str = "torch",
     ) -> None:
         """Build the state from scratch (Cholesky, in row batches).
 
@@ -259,6 +267,7 @@ class RefitRows:
             cross: rows will trade weights (layer scope): every row gets a spare kept and pruned slot (more are
                 added when needed), and the whole state must fit in ``LAYER_STATE_BYTES``.
             row_offset: layer index of row 0, for error messages.
+            engine: ``"torch"`` (the reference, any device) or ``"numba"`` (compiled, CPU tensors only).
 
         Raises:
             ValueError: a singular ``G_SS + lambda I`` (names the rows), or (``cross``) a state over
@@ -276,10 +285,13 @@ class RefitRows:
                 "limit (refine.LAYER_STATE_BYTES); use scope='row' (memory bounded by row_batch) or objective='mask'"
             )
         self.w64, self.keep, self.gram64, self.lam, self.m = w64, keep, gram64, lam, m
-        self.row_batch, self.row_offset = row_batch, row_offset
+        self.row_batch, self.row_offset, self.numba = row_batch, row_offset, engine == "numba"
         self.pivot_floor = rs.pivot_floor(gram64, lam)
         self.rounding = rs.ACCEPT_RTOL * ((w64 @ gram64) * w64).sum(dim=1)
-        if cross or rows > row_batch:  # fill a preallocated (contiguous) state, row batch by row batch
+        if self.numba:
+            self.state = NumbaRefitState(w64, keep, gram64, lam, self.k_slots, self.q_slots, m)
+            self.resync(torch.arange(rows, device=w64.device))
+        elif cross or rows > row_batch:  # fill a preallocated (contiguous) state, row batch by row batch
             self.state = _empty_state(rows, self.k_slots, self.q_slots, w64.device)
             self.resync(torch.arange(rows, device=w64.device))
         else:  # one row batch: build it in one go, no copy
@@ -288,6 +300,9 @@ class RefitRows:
 
     def resync(self, rows: torch.Tensor) -> None:
         """Rebuild the state of ``rows`` (``[n]`` int64) from scratch (Cholesky), in row batches, in place."""
+        if self.numba:
+            self.state.build(rows, row_offset=rows + self.row_offset)
+            return
         for r0 in range(0, rows.numel(), self.row_batch):
             sub = rows[r0 : r0 + self.row_batch]
             fresh = rs.build_state(
@@ -299,6 +314,11 @@ class RefitRows:
     def figures(self, rows: torch.Tensor, cross: bool) -> Figures:
         """Best swap of every row in ``rows`` (``[n]`` int64); with ``cross`` also the cheapest removal and the best
         restore (handles are slots)."""
+        if self.numba:
+            out = list(self.state.scan(rows))
+            if cross:
+                out += [*self.state.best_removals(rows), *self.state.best_additions(rows)]
+            return Figures(*out)
         out = list(rs.scan_swaps(self.state, self.w64, rows, self.pivot_floor, self.m))
         if cross:
             out += [
@@ -315,7 +335,10 @@ class RefitRows:
         if k_full or q_full:
             self.k_slots = min(d, self.k_slots + (max(1, self.k_slots // 16) if k_full else 0))
             self.q_slots = min(d, self.q_slots + (max(1, self.q_slots // 16) if q_full else 0))
-            self.state = rs.grow(self.state, self.k_slots, self.q_slots)
+            if self.numba:
+                self.state.grow(self.k_slots, self.q_slots)
+            else:
+                self.state = rs.grow(self.state, self.k_slots, self.q_slots)
 
     def apply(self, swaps: Moves, cross: Moves | None = None) -> None:
         """Apply ``swaps = (rows, kept slot, pruned slot)`` and ``cross = (donor rows, kept slot, receiver rows,
@@ -323,23 +346,35 @@ class RefitRows:
         if cross is not None:
             self._reserve(cross[0], cross[2])
         rows, slot_i, slot_j = swaps
-        u, p = rs.swap_slots(self.state, rows, slot_i, slot_j, self.gram64)
+        if self.numba:
+            u, p = self.state.swap(rows, slot_i, slot_j)
+        else:
+            u, p = rs.swap_slots(self.state, rows, slot_i, slot_j, self.gram64)
         self.keep[rows, u] = False
         self.keep[rows, p] = True
         if cross is None:
             return
         rows, slot_i, receivers, slot_j = cross
         vacant = (~self.state.pruned_ok[rows]).to(torch.int8).argmax(dim=1)
-        incoming = rs.remove_kept(self.state, rows, slot_i)
-        rs.place_pruned(self.state, rows, vacant, incoming)
-        self.keep[rows, incoming[0]] = False
+        if self.numba:
+            u = self.state.remove(rows, slot_i, vacant)
+        else:
+            incoming = rs.remove_kept(self.state, rows, slot_i)
+            rs.place_pruned(self.state, rows, vacant, incoming)
+            u = incoming[0]
+        self.keep[rows, u] = False
         p = self.state.pruned[receivers, slot_j]
         vacant = (~self.state.kept_ok[receivers]).to(torch.int8).argmax(dim=1)
-        rs.add_pruned(self.state, receivers, slot_j, vacant, self.gram64)
+        if self.numba:
+            self.state.add(receivers, slot_j, vacant)
+        else:
+            rs.add_pruned(self.state, receivers, slot_j, vacant, self.gram64)
         self.keep[receivers, p] = True
 
     def fitted(self) -> torch.Tensor:
         """``[N, d]`` float64 re-fitted weights of the current masks (zero off the mask)."""
+        if self.numba:
+            return self.state.fitted()
         return rs.fitted_weights(self.state, self.w64.shape[1])
 
 
@@ -498,7 +533,9 @@ def refine_mask(
             objective always runs in float64.
         backend: swap search of the mask objective: ``"auto"`` (compiled numba kernel on CPU, fused Triton kernel
             on CUDA when triton is installed, torch elsewhere), ``"torch"``, ``"numba"`` or ``"triton"``. The
-            re-fit objective uses its own torch search.
+            re-fit objective: ``"auto"`` and ``"numba"`` run its compiled CPU engine
+            (:mod:`~sparseswaps_prune.core.backends.refit_numba`) on the CPU, ``"torch"`` (and ``"auto"`` off the
+            CPU, and ``"triton"``) its torch reference; both choose the same swaps.
         resync_every: rebuild the float64 state (correlation vectors; for the re-fit objective ``H``, ``v``, ``Z``,
             by Cholesky) of the rows that moved from scratch every this many iterations.
         objective: ``"mask"``: minimise the loss of the mask with the original weights, ``r^T G r``.
@@ -553,8 +590,9 @@ def refine_mask(
     check_int(resync_every, "resync_every", low=1)
     if row_batch is not None:
         check_int(row_batch, "row_batch", low=1)
-    compute = torch.device(device) if device is not None else weight.device
+    compute = check_device(device) if device is not None else weight.device
     search = resolve_backend(backend, compute, nm)
+    engine = resolve_refit_backend(backend, compute) if objective == "refit" else None
 
     gram64 = gram.detach().to(device=compute, dtype=torch.float64)
     refit = objective == "refit"
@@ -575,7 +613,9 @@ def refine_mask(
         keep = mask[rows].to(compute)
         if refit:
             m = nm[1] if nm is not None else None
-            model = RefitRows(w64, keep, gram64, lam=lam, m=m, row_batch=batch, cross=scope == "layer", row_offset=r0)
+            model = RefitRows(
+                w64, keep, gram64, lam=lam, m=m, row_batch=batch, cross=scope == "layer", row_offset=r0, engine=engine
+            )
         else:
             model = MaskRows(w64, keep, gram64, gram_search, search=search, nm=nm, row_batch=batch)
         floor = eps + model.rounding

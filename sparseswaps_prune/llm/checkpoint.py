@@ -316,20 +316,7 @@ def save_block(
     by_name = {layer.name: layer for layer in layers}
     refitted = {r.name: by_name[r.name].dense_weight_2d().cpu() for r in reports if r.updated_rows is not None}
     block_file = f"block_{index:04d}.pt"
-    save_torch(
-        {
-            "masks": {n: result.masks[n] for n in names},
-            "warmstart": {n: result.warmstart_masks[n] for n in names},
-            "weights": refitted,
-            "dense": {n: result.dense_weights[n] for n in names if n in result.dense_weights},
-            "reports": [asdict(r) for r in reports],
-        },
-        state / block_file,
-    )
-    input_files = {}
-    for key, part in sorted(inputs.items()):
-        input_files[key] = f"inputs_{key}_{index + 1:04d}.pt"
-        part.save(state / input_files[key])
+    input_files = {key: f"inputs_{key}_{index + 1:04d}.pt" for key in sorted(inputs)}
     progress = {
         "format": FORMAT,
         "fingerprint": current.to_dict(),
@@ -337,5 +324,24 @@ def save_block(
         "blocks": [f"block_{i:04d}.pt" for i in range(index + 1)],
         "inputs": input_files,
     }
-    save_json(progress, state / PROGRESS)
+    try:
+        save_torch(
+            {
+                "masks": {n: result.masks[n] for n in names},
+                "warmstart": {n: result.warmstart_masks[n] for n in names},
+                "weights": refitted,
+                "dense": {n: result.dense_weights[n] for n in names if n in result.dense_weights},
+                "reports": [asdict(r) for r in reports],
+            },
+            state / block_file,
+        )
+        for key, part in sorted(inputs.items()):
+            part.save(state / input_files[key])
+        save_json(progress, state / PROGRESS)
+    except Exception:
+        # e.g. a full disk: free what this uncommitted block wrote (no marker names it). An interrupt leaves it,
+        # as a kill would; the next start removes it.
+        for name in (block_file, *input_files.values()):
+            _remove(state / name)
+        raise
     remove_strays(state, progress)

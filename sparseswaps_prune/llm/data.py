@@ -124,14 +124,91 @@ def _read_json_lines(path: Path) -> list[str]:
         ValueError: a line is not valid JSON or lacks a string ``"text"``.
     """
     records = []
-    with path.open(encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
-            if line.strip():
-                try:
-                    records.append(json.loads(line))
-                except json.JSONDecodeError as exc:
-                    raise ValueError(f"Line {number} of {path} is not valid JSON ({exc}); fix the file.") from exc
+    for number, line in enumerate(_read_text(path).split("\n"), start=1):
+        if line.strip():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"Line {number} of {path} is not valid JSON ({exc}); fix the file.") from exc
     return _texts_from_records(records, path)
+
+
+def _not_utf8(path: Path, err: UnicodeDecodeError, offset: int = 0) -> ValueError:
+    """The error for a local text file that is not UTF-8: names the file, the first bad byte and the fix."""
+    byte = err.object[err.start : err.start + 1].hex()
+    return ValueError(
+        f"{path} is not UTF-8 text (byte 0x{byte} at offset {offset + err.start}); local text sources must be "
+        f"UTF-8: convert it, e.g. `iconv -f latin1 -t utf-8 {path} > {path.stem}.utf8{path.suffix}`, and pass the "
+        "converted file"
+    )
+
+
+def _read_text(path: Path) -> str:
+    """The UTF-8 text of ``path`` with universal newlines (as ``read_text``); a ``ValueError`` naming the file and
+    the fix if it is not UTF-8."""
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise _not_utf8(path, err) from None
+    return text.replace("\r\n", "\n").replace("\r", "\n")
+
+
+def _check_utf8(path: Path, chunk: int = 1 << 22) -> None:
+    """Raise :func:`_not_utf8`'s error unless ``path`` decodes as UTF-8 (read in chunks, nothing kept)."""
+    import codecs
+
+    decoder, offset = codecs.getincrementaldecoder("utf-8")(), 0
+    with path.open("rb") as handle:
+        while True:
+            data = handle.read(chunk)
+            try:
+                decoder.decode(data, final=not data)
+            except UnicodeDecodeError as err:
+                raise _not_utf8(path, err, offset) from None
+            if not data:
+                return
+            offset += len(data)
+
+
+def check_source(source: str, what: str = "data") -> None:
+    """Check a data source before anything is loaded: a named source (:data:`NAMED_SOURCES`), or a local file
+    with a supported suffix (text files must be UTF-8) or a directory holding at least one.
+
+    Raises:
+        TypeError: ``source`` is not a str.
+        FileNotFoundError: a local path that does not exist.
+        ValueError: an unsupported file, a directory with no supported file, or a text file that is not UTF-8.
+    """
+    if not isinstance(source, str):
+        raise TypeError(f"the {what} source must be a str (one of {list(NAMED_SOURCES)} or a path), got {source!r}")
+    if source in NAMED_SOURCES:
+        return
+    path = Path(source).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(
+            f"The {what} source {source!r} is neither one of {list(NAMED_SOURCES)} nor an existing file or "
+            "directory; check the path."
+        )
+    files = [path] if not path.is_dir() else _local_files(path, source)
+    for file in files:
+        suffix = file.suffix.lower()
+        if suffix not in LOCAL_SUFFIXES:
+            raise ValueError(
+                f"Unsupported file type {file.name!r}; local sources must end with one of {LOCAL_SUFFIXES}."
+            )
+        if suffix != ".parquet":
+            try:
+                _check_utf8(file)
+            except ValueError as err:
+                raise ValueError(f"the {what} source {err}") from None
+
+
+def _local_files(path: Path, source: str) -> list[Path]:
+    """The supported files of a directory source, in sorted name order."""
+    files = sorted(p for p in path.iterdir() if p.is_file() and p.suffix.lower() in LOCAL_SUFFIXES)
+    if not files:
+        raise ValueError(f"Directory {source!r} holds no file ending with one of {LOCAL_SUFFIXES}; add some.")
+    return files
 
 
 def _read_file_documents(path: Path) -> list[str]:
@@ -149,11 +226,11 @@ def _read_file_documents(path: Path) -> list[str]:
     """
     suffix = path.suffix.lower()
     if suffix == ".txt":
-        return [path.read_text(encoding="utf-8")]
+        return [_read_text(path)]
     if suffix == ".jsonl":
         return _read_json_lines(path)
     if suffix == ".json":
-        raw = path.read_text(encoding="utf-8")
+        raw = _read_text(path)
         try:
             parsed = json.loads(raw)
         except json.JSONDecodeError:
@@ -196,10 +273,7 @@ def _read_local_documents(source: str) -> list[str]:
         )
     if not path.is_dir():
         return _read_file_documents(path)
-    files = sorted(p for p in path.iterdir() if p.is_file() and p.suffix.lower() in LOCAL_SUFFIXES)
-    if not files:
-        raise ValueError(f"Directory {source!r} holds no file ending with one of {LOCAL_SUFFIXES}; add some.")
-    return [doc for file in files for doc in _read_file_documents(file)]
+    return [doc for file in _local_files(path, source) for doc in _read_file_documents(file)]
 
 
 def _tokenize(text: str, tokenizer: PreTrainedTokenizerBase, source: str) -> torch.Tensor:

@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import shutil
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -23,7 +24,9 @@ from typing import Any
 import torch
 
 from sparseswaps_prune.atomic import save_json
+from sparseswaps_prune.core.checks import check_device
 from sparseswaps_prune.llm import checkpoint
+from sparseswaps_prune.llm.data import check_source
 from sparseswaps_prune.llm.pipeline import LayerReport, PruneOptions, finalize, masks_swapped, prune_model
 from sparseswaps_prune.llm.report import format_table, layer_rows, plot_stages, totals, write_csv
 
@@ -91,8 +94,47 @@ class JobConfig:
             raise ValueError(f"holdout must be an int >= 0, got {self.holdout!r}")
         if self.dtype not in ("float32", "float16", "bfloat16"):
             raise ValueError(f"dtype must be float32, float16 or bfloat16, got {self.dtype!r}")
-        if self.device.startswith("cuda") and not torch.cuda.is_available():
-            raise ValueError(f"device {self.device!r} requested but CUDA is not available; use --device cpu")
+        if self.eval_windows is not None and (
+            isinstance(self.eval_windows, bool) or not isinstance(self.eval_windows, int) or self.eval_windows < 1
+        ):
+            raise ValueError(f"eval_windows must be a positive int or None, got {self.eval_windows!r}")
+        if self.eval is not None and self.seqlen < 2:
+            raise ValueError(f"seqlen must be at least 2 to evaluate perplexity, got {self.seqlen}; or set eval=None")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise TypeError(f"seed must be an int, got {self.seed!r}")
+        if not isinstance(self.eval_warmstart, bool):
+            raise TypeError(f"eval_warmstart must be a bool, got {self.eval_warmstart!r}")
+        for name in ("model", "gguf_file", "calib", "eval"):
+            value = getattr(self, name)
+            if not (value is None and name != "calib") and not isinstance(value, str):
+                raise TypeError(f"{name} must be a str{'' if name == 'calib' else ' or None'}, got {value!r}")
+        check_device(self.device)
+        check_source(self.calib, "calibration")
+        if self.eval is not None:
+            check_source(self.eval, "evaluation")
+
+
+def check_out_dir(out: Path) -> None:
+    """Raise ``OSError`` (naming ``out`` and the fix) unless ``out`` is a writable directory or can be created as
+    one; writes nothing in it (a probe file is created and removed in ``out``, or in its nearest existing parent)."""
+    if out.exists() and not out.is_dir():
+        raise NotADirectoryError(f"output directory {out} is a file; choose a directory for --out")
+    existing = out
+    while not existing.exists():
+        if existing.parent == existing:
+            break
+        existing = existing.parent
+    if not existing.is_dir():
+        raise NotADirectoryError(f"cannot create output directory {out}: {existing} is a file; choose another --out")
+    try:
+        fd, probe = tempfile.mkstemp(dir=existing, prefix=".sparseswaps_probe_")
+    except OSError as err:
+        what = "output directory" if existing == out else f"output directory {out}: its parent"
+        raise type(err)(
+            err.errno, f"{what} {existing} is not writable ({err.strerror}); choose a writable --out"
+        ) from None
+    os.close(fd)
+    os.unlink(probe)
 
 
 def _check_context(model: torch.nn.Module, seqlen: int) -> None:
@@ -104,12 +146,17 @@ def _check_context(model: torch.nn.Module, seqlen: int) -> None:
 def run_job(config: JobConfig, out_dir: str | os.PathLike[str], *, progress: bool = True) -> dict[str, Any]:
     """Run (or resume) a pruning job and return the report written to ``out_dir/report.json``.
 
-    Raises ``ValueError``/``TypeError``/``FileNotFoundError`` for bad options or inputs before writing
-    anything; an error in a layer names the layer.
+    Every check that can fail is made before anything is written in ``out_dir``: the options, the data sources
+    and ``out_dir`` itself (a writable directory, or one that can be created) before the model is loaded, then
+    the model's context length, every layer's width against the budget, ``include``/``exclude`` matching some
+    layer, the calibration windows and the evaluation text's length. Those raise ``ValueError``/``TypeError``/
+    ``FileNotFoundError``/``OSError`` naming the problem; an error in a layer names the layer. Later failures
+    (e.g. a full disk, an interrupt) leave the checkpoint of the finished blocks, and the same call resumes from it.
     """
     from sparseswaps_prune.llm.data import load_calibration, load_eval_tokens
     from sparseswaps_prune.llm.evaluate import perplexity
     from sparseswaps_prune.llm.models import load_model
+    from sparseswaps_prune.llm.pipeline import check_layers
 
     config.validate()
     out = Path(out_dir)
@@ -118,15 +165,23 @@ def run_job(config: JobConfig, out_dir: str | os.PathLike[str], *, progress: boo
         if done.get("config") != json.loads(json.dumps(config.to_dict())):
             raise ValueError(f"{out} already holds a finished run with other options; choose another --out")
         logger.info("%s already holds this finished run; nothing to do", out)
+        _remove_leftovers(out)  # of a run stopped right at its end
         return done
+    check_out_dir(out)
     start = time.perf_counter()
     model, tokenizer = load_model(config.model, gguf_file=config.gguf_file, dtype=getattr(torch, config.dtype))
     _check_context(model, config.seqlen)
+    check_layers(model, config.prune)
     windows = load_calibration(
         config.calib, tokenizer, config.nsamples, config.seqlen, seed=config.seed, holdout=config.holdout
     )
     calib, holdout = windows[: config.nsamples], windows[config.nsamples :] if config.holdout else None
     eval_tokens = load_eval_tokens(config.eval, tokenizer) if config.eval else None
+    if eval_tokens is not None and eval_tokens.shape[1] < config.seqlen:
+        raise ValueError(
+            f"the evaluation text {config.eval!r} has {eval_tokens.shape[1]} tokens, fewer than seqlen="
+            f"{config.seqlen} (one window); use a smaller --seqlen, more evaluation text, or --eval none"
+        )
 
     def ppl() -> float | None:
         if eval_tokens is None:
@@ -181,8 +236,19 @@ def run_job(config: JobConfig, out_dir: str | os.PathLike[str], *, progress: boo
         "seconds": {"prune": result.seconds, "wall": time.perf_counter() - start},
     }
     _save_outputs(model, tokenizer, config, result.layers, report, out)
-    shutil.rmtree(state, ignore_errors=True)
+    _remove_leftovers(out)
     return report
+
+
+def _remove_leftovers(out: Path) -> None:
+    """Remove the checkpoint and what an interrupted write of ``report.json`` left in ``out`` (best effort: a
+    read-only ``out`` holding a finished run is fine)."""
+    shutil.rmtree(out / STATE_DIR, ignore_errors=True)
+    for path in out.glob(".report.json.*.tmp"):
+        try:
+            path.unlink()
+        except OSError:
+            pass
 
 
 def _dense_perplexity(path: Path, key: dict[str, Any], ppl: Callable[[], float | None]) -> float | None:
@@ -203,11 +269,15 @@ def _save_outputs(model, tokenizer, config: JobConfig, layers: list[LayerReport]
     staging = out / STAGING_DIR
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
-    model.save_pretrained(staging)
-    tokenizer.save_pretrained(staging)
-    save_json(config.to_dict(), staging / "config_sparseswaps.json")
-    write_csv(layers, staging / "report.csv")
-    plot_stages(layers, staging / "report.png", title=config.prune.spec.describe())
+    try:
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        save_json(config.to_dict(), staging / "config_sparseswaps.json")
+        write_csv(layers, staging / "report.csv")
+        plot_stages(layers, staging / "report.png", title=config.prune.spec.describe())
+    except BaseException:  # e.g. a full disk: free the space the partial copy takes (the checkpoint stays)
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
     for item in sorted(staging.iterdir()):
         target = out / item.name
         if target.is_dir():

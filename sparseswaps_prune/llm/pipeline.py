@@ -15,6 +15,7 @@ import logging
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
+from fnmatch import fnmatchcase
 from pathlib import Path
 
 import torch
@@ -22,11 +23,13 @@ from torch import nn
 from torch.nn.utils import prune
 from tqdm.auto import tqdm
 
+from sparseswaps_prune.core.checks import check_budget, check_device, check_keeps_some
 from sparseswaps_prune.core.gram import GramAccumulator
 from sparseswaps_prune.core.layer import LayerOutcome, prune_layer
 from sparseswaps_prune.core.spec import DEFAULT_SPEC, DSnoTRefine, PruneSpec
 from sparseswaps_prune.llm import checkpoint
 from sparseswaps_prune.llm.capture import BlockInputs, capture_block_inputs
+from sparseswaps_prune.llm.distributed import Ranks, assign_layers
 from sparseswaps_prune.llm.layers import find_blocks, group_by_input
 from sparseswaps_prune.modules import PrunableLayer, apply_mask, find_layers, input_hooks, replace_weight_mask
 
@@ -178,6 +181,7 @@ def prune_model(
     progress: bool = True,
     holdout_tokens: torch.Tensor | None = None,
     keep_dense: bool = False,
+    distributed: bool = False,
 ) -> PruneResult:
     """Prune every linear layer of every decoder block of ``model``, block by block.
 
@@ -197,14 +201,23 @@ def prune_model(
             follow the pruned model block by block like ``calib_tokens`` and give every layer a second Gram on
             which its losses are reported (``LayerReport.holdout_*``); they never influence the masks.
         keep_dense: keep the original weights of re-fitted layers in ``PruneResult.dense_weights``.
+        distributed: every rank of the initialised ``torch.distributed`` process group calls this with the same
+            model and data; the layers of each block are divided across the ranks and their results broadcast
+            (:mod:`~sparseswaps_prune.llm.distributed`), so every rank ends with the same weights and result as
+            one process would. Progress is shown on rank 0 only. Not combined with ``checkpoint_dir`` yet.
 
     Returns:
         :class:`PruneResult` (reports for every layer, including those of resumed blocks).
     """
     options.validate()
     start = time.perf_counter()
+    check_layers(model, options)
     blocks_name, blocks = find_blocks(model, options.blocks_path)
-    device = torch.device(device)
+    device = check_device(device)
+    ranks = Ranks.current() if distributed else None
+    if ranks is not None and checkpoint_dir is not None:
+        raise ValueError("checkpoint_dir cannot be combined with distributed=True yet; leave one out")
+    progress = progress and (ranks is None or ranks.is_main)
     state = Path(checkpoint_dir) if checkpoint_dir is not None else None
     result, first_block, inputs = PruneResult(), 0, None
     if state is not None:
@@ -221,11 +234,9 @@ def prune_model(
         range(first_block, len(blocks)), desc="blocks", disable=not progress, initial=first_block, total=len(blocks)
     )
     for index in bar:
-        block = blocks[index].to(device)
-        layers = find_layers(block, prefix=f"{blocks_name}.{index}", include=options.include, exclude=options.exclude)
-        reports = _prune_block(block, layers, inputs, options, device, result, index, progress, keep_dense)
-        inputs = {key: part.run_block(block, device) for key, part in inputs.items()}
-        _to_cpu(blocks[index], layers)
+        layers, reports, inputs = _process_block(
+            blocks, blocks_name, index, inputs, options, device, result, progress, keep_dense, ranks
+        )
         result.layers.extend(reports)
         if state is not None:
             checkpoint.save_block(state, fingerprint, index, inputs, layers, result, reports)
@@ -233,6 +244,78 @@ def prune_model(
             bar.set_postfix(reduction=f"{sum(r.reduction for r in reports) / len(reports):.1%}")
     result.seconds = time.perf_counter() - start
     return result
+
+
+def check_layers(model: nn.Module, options: PruneOptions) -> list[PrunableLayer]:
+    """The layers :func:`prune_model` would prune, after checking that there is at least one and that the budget
+    fits each (N:M's ``m`` divides its width; a sparsity keeps at least one weight per row, or per layer): the
+    checks that need no calibration data, so that a run can fail before it computes or writes anything.
+
+    Raises:
+        ValueError: ``include``/``exclude`` leave no layer, or a layer's width does not fit the budget (naming it).
+    """
+    options.validate()
+    blocks_name, blocks = find_blocks(model, options.blocks_path)
+    layers = [
+        layer
+        for index, block in enumerate(blocks)
+        for layer in find_layers(block, prefix=f"{blocks_name}.{index}", include=options.include,
+                                 exclude=options.exclude)
+    ]  # fmt: skip
+    if not layers:
+        names = [layer.name for layer in find_layers(blocks[0], prefix=f"{blocks_name}.0")] if len(blocks) else []
+        raise ValueError(
+            f"no linear layer of the decoder blocks matches include={options.include} exclude={options.exclude}, so "
+            f"nothing would be pruned; patterns match full names such as {', '.join(names[:3]) or '(none)'} "
+            f"(fnmatch, e.g. '*.mlp.*'); lm_head and the embeddings are never pruned"
+        )
+    for pattern in options.include or []:
+        if not any(fnmatchcase(layer.name, pattern) for layer in layers):
+            logger.warning("include pattern %r matches no layer that is pruned", pattern)
+    budget = options.spec.budget
+    for layer in layers:
+        try:
+            check_budget(budget.sparsity, budget.nm, layer.d_in)
+            if budget.scope == "row":
+                check_keeps_some(budget.sparsity, layer.d_in, "each row")
+            else:
+                check_keeps_some(budget.sparsity, layer.d_out * layer.d_in, "the layer")
+        except ValueError as err:
+            raise ValueError(f"layer {layer.name}: {err}") from None
+    return layers
+
+
+def _process_block(
+    blocks: nn.ModuleList,
+    blocks_name: str,
+    index: int,
+    inputs: dict[str, BlockInputs],
+    options: PruneOptions,
+    device: torch.device,
+    result: PruneResult,
+    progress: bool,
+    keep_dense: bool,
+    ranks: Ranks | None = None,
+) -> tuple[list[PrunableLayer], list[LayerReport], dict[str, BlockInputs]]:
+    """One step of the block loop (also the out-of-core path's, :mod:`~sparseswaps_prune.llm.streaming`): move
+    block ``index`` to ``device``, prune its layers into ``result``, run it to get the next block's inputs and move
+    it back to the CPU. Returns the block's layers, their reports and the next block's inputs."""
+    block = blocks[index].to(device)
+    layers = find_layers(block, prefix=f"{blocks_name}.{index}", include=options.include, exclude=options.exclude)
+    reports = _prune_block(block, layers, inputs, options, device, result, index, progress, keep_dense, ranks)
+    inputs = {key: part.run_block(block, device) for key, part in inputs.items()}
+    _to_cpu(blocks[index], layers)
+    return layers, reports, inputs
+
+
+@dataclass
+class _Pruned:
+    """One layer's result as written into the model (CPU tensors); what the ranks broadcast."""
+
+    mask: torch.Tensor
+    start_mask: torch.Tensor
+    weight: torch.Tensor | None
+    report: LayerReport
 
 
 def _prune_block(
@@ -245,8 +328,10 @@ def _prune_block(
     index: int,
     progress: bool,
     keep_dense: bool,
+    ranks: Ranks | None = None,
 ) -> list[LayerReport]:
-    """Accumulate the block's Grams (one per distinct input and token set), then prune every layer."""
+    """Accumulate the block's Grams (one per distinct input and token set), then prune every layer (with
+    ``ranks``: each rank prunes its share of the layers, then every result is broadcast from its rank)."""
     if not layers:
         return []
     hidden, kwargs = next(inputs["fit"].batches(device))
@@ -262,8 +347,8 @@ def _prune_block(
             part.feed_block(block, device)
         grams[key] = {layer.name: accumulators[group[0].name] for group in groups for layer in group}
     n_windows = inputs["fit"].num_samples
-    reports = []
-    for layer in tqdm(layers, desc=f"block {index}", leave=False, disable=not progress):
+
+    def prune_one(layer: PrunableLayer) -> _Pruned:
         fit, holdout = grams["fit"][layer.name], grams.get("holdout", {}).get(layer.name)
         if any(acc is not None and (acc.n_tokens == 0 or acc.gram is None) for acc in (fit, holdout)):
             raise ValueError(
@@ -279,14 +364,29 @@ def _prune_block(
             name=layer.name,
             device=device,
         )
-        if keep_dense and outcome.weight is not None:
-            result.dense_weights[layer.name] = layer.dense_weight_2d().cpu().clone()
-        result.masks[layer.name] = outcome.keep_mask.cpu()
-        result.warmstart_masks[layer.name] = outcome.start_mask.cpu()
-        weight = None if outcome.weight is None else outcome.weight.cpu()
-        apply_mask(layer, result.masks[layer.name], weight)
         scale = None if holdout is None else fit.n_tokens / holdout.n_tokens
-        reports.append(LayerReport.from_outcome(layer.name, index, outcome, scale))
+        return _Pruned(
+            outcome.keep_mask.cpu(),
+            outcome.start_mask.cpu(),
+            None if outcome.weight is None else outcome.weight.cpu(),
+            LayerReport.from_outcome(layer.name, index, outcome, scale),
+        )
+
+    owners = None if ranks is None else assign_layers(layers, ranks.world_size)
+    # With ranks, each rank first prunes its own layers (in parallel with the others), then all receive them in order.
+    own = {} if ranks is None else {j: prune_one(layer) for j, layer in enumerate(layers) if owners[j] == ranks.rank}
+    reports = []
+    for j, layer in enumerate(tqdm(layers, desc=f"block {index}", leave=False, disable=not progress)):
+        if ranks is None:
+            pruned = prune_one(layer)
+        else:
+            pruned = ranks.broadcast(own.pop(j, None), src=owners[j])
+        if keep_dense and pruned.weight is not None:
+            result.dense_weights[layer.name] = layer.dense_weight_2d().cpu().clone()
+        result.masks[layer.name] = pruned.mask
+        result.warmstart_masks[layer.name] = pruned.start_mask
+        apply_mask(layer, pruned.mask, pruned.weight)
+        reports.append(pruned.report)
     return reports
 
 

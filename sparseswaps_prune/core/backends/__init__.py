@@ -11,6 +11,9 @@ smallest ``p``. Backends search only; :mod:`sparseswaps_prune.core.refine` appli
 * ``triton``: fused CUDA kernel sharing each tile of ``G`` across a block of rows (on the CPU only
   through the Triton interpreter, ``TRITON_INTERPRET=1``, for testing).
 * N:M always uses the block-local torch search (``O(d_in * m)`` per row).
+
+The re-fit objective has its own engines (:func:`resolve_refit_backend`): the torch reference
+(:mod:`~sparseswaps_prune.core.refit_swaps`) and the compiled CPU engine :mod:`.refit_numba`.
 """
 
 from __future__ import annotations
@@ -57,6 +60,17 @@ def resolve_backend(backend: str, device: torch.device, nm: tuple[int, int] | No
             "(set TRITON_INTERPRET=1 to run the kernel in the Triton interpreter, for testing only)"
         )
     return backend
+
+
+def resolve_refit_backend(backend: str, device: torch.device) -> str:
+    """Engine of the re-fit objective: ``"numba"`` (compiled, :mod:`.refit_numba`) for ``auto`` and ``numba`` on the
+    CPU, ``"torch"`` (the reference, :mod:`~sparseswaps_prune.core.refit_swaps`) otherwise; ``numba`` off the CPU is
+    an error. Both engines choose the same swaps."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown swap-search backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    if backend == "numba" and device.type != "cpu":
+        raise ValueError(f"backend='numba' runs on the CPU only, but the refinement device is {device}")
+    return "numba" if backend in ("auto", "numba") and device.type == "cpu" else "torch"
 
 
 def best_swaps(

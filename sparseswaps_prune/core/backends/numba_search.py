@@ -36,7 +36,7 @@ def _min_key32(bits):  # pragma: no cover - compiled
 
 
 @nb.njit(cache=True)
-def _min_key64(bits):  # pragma: no cover - compiled
+def min_key64(bits):  # pragma: no cover - compiled
     """float64 twin of :func:`_min_key32`."""
     best = np.int64(0x7FFFFFFFFFFFFFFF)
     for p in range(bits.shape[0]):
@@ -56,7 +56,7 @@ def _pair_min(restore, cross_u, gram_u, restore_weight, scratch):  # pragma: no 
         scratch[p] = restore[p] + cross_u * (gram_u[p] * restore_weight[p])
     if scratch.itemsize == 4:
         return np.float64(_min_key32(scratch.view(np.int32)))
-    return _min_key64(scratch.view(np.int64))
+    return min_key64(scratch.view(np.int64))
 
 
 @nb.njit(cache=True)

@@ -1,0 +1,521 @@
+"""Compiled CPU engine (numba) of the re-fit-objective swaps: the state and exact updates of
+:mod:`~sparseswaps_prune.core.refit_swaps`, with the two costs that dominate there removed.
+
+**Lazy low-rank updates.** Every move changes ``H`` and ``Z`` by rank-one terms that share their left vectors,
+``H += c a a^T`` and ``Z += a b^T``. Instead of streaming the ``[K, K]`` and ``[K, Q]`` matrices twice per move,
+each row keeps its pending terms (at most ``factor_slots``) next to a base: ``H = H0 + sum_k c_k a_k a_k^T``,
+``Z = Z0 + sum_k a_k b_k^T``. A move reads one column of ``H`` and one row and one column of ``Z`` through the
+terms (``O((K + Q) r)``), and the terms are folded into ``H0`` and ``Z0`` by one BLAS product per row every
+``factor_slots / 2`` moves (:meth:`NumbaRefitState.fold`). The diagonal of ``H``, ``v``, ``r`` and ``s`` are kept
+exactly (eagerly).
+
+**The restore vector from the Gram, not from Z.** Restoring ``p`` needs ``t_q = G_pq - G[p, S] Z[:, q]`` for every
+pruned ``q`` (a pass over all of ``Z``); since ``G[p, S] Z[:, q] = y^T G[S, q]`` with ``y = Z[:, p]``, it is read off
+``sum_{s in S} y_s G[s, :]``, accumulated over rows of the shared ``G`` for a block of ``ROW_BLOCK`` rows at once.
+
+**The pair scan visits few columns.** Every swap's change satisfies ``dF(u, p) >= -r_p^2 / s_p`` (Cauchy-Schwarz, for
+any stored values with ``s_p, H_uu > 0``), so pruned slots are visited in descending order of that restore gain and
+the scan stops at the first one whose gain cannot beat the row's best swap (with a rounding margin, so no pair that
+could win or tie is skipped). Each visited column ``Z[:, p]`` is formed from ``Z0`` and the pending terms.
+
+Every pair visited is evaluated in float64 with the formula and operation order of
+:func:`~sparseswaps_prune.core.refit_swaps.scan_swaps` (no fused multiply-add), ties to the smallest ``u`` then
+``p`` (input indices), so the chosen swap is the float64 argmin over all pairs -- the same one as the torch scan and
+the brute force, up to the rounding differences of the state (the state is float64 in both, updated in a different
+order). The scan works on few columns per row, so a float32 pre-scan would not pay: it is not used.
+
+Slots, vacancy, the pivot floor and exact-zero weights follow :mod:`~sparseswaps_prune.core.refit_swaps`.
+"""
+
+from __future__ import annotations
+
+import numba as nb
+import numpy as np
+import torch
+
+from sparseswaps_prune.core.backends.numba_search import min_key64
+from sparseswaps_prune.core.refit import factor_kept
+
+# Pending rank-one terms per row before they are folded into H0 and Z0 (two per move).
+FACTOR_SLOTS = 16
+# Rows of one apply call sharing each pass over rows of G.
+ROW_BLOCK = 16
+# A restore slot is skipped when -gain exceeds the row's best swap by this relative margin (rounding guard; the
+# evaluation error of a pair cost is a few ulps of remove_u + gain_p).
+SKIP_RTOL = 1e-12
+
+_SWAP, _REMOVE, _ADD = 0, 1, 2
+
+
+@nb.njit(cache=True)
+def _column(zt, fa, fb, rank, r, j, out):  # pragma: no cover - compiled
+    """``out = Z[:, j]`` of row ``r`` (base column plus pending terms)."""
+    k_slots = out.shape[0]
+    for i in range(k_slots):
+        out[i] = zt[r, j, i]
+    for k in range(rank):
+        b = fb[r, k, j]
+        if b != 0.0:
+            for i in range(k_slots):
+                out[i] += fa[r, k, i] * b
+
+
+@nb.njit(parallel=True, cache=True)
+def _scan(
+    rows, w, kept, kept_ok, pruned, pruned_ok, hdiag, coef, resid, schur, zt, fa, fb, rank, floor, m,
+    out_dl, out_i, out_j, out_cols,
+):  # pragma: no cover - compiled  # fmt: skip
+    n = rows.shape[0]
+    k_slots = kept.shape[1]
+    q_slots = pruned.shape[1]
+    d = w.shape[1]
+    big = np.int64(1) << 62
+    for e in nb.prange(n):
+        r = rows[e]
+        out_dl[e], out_i[e], out_j[e], out_cols[e] = np.inf, 0, 0, 0
+        ratio = np.zeros(k_slots)
+        remove = np.full(k_slots, np.inf)
+        h_safe = np.ones(k_slots)
+        rem_max = 0.0
+        n_kept = 0
+        bounded = True  # the skip bound needs H_uu > 0 (always, unless the state is broken)
+        for i in range(k_slots):
+            if kept_ok[r, i]:
+                h = hdiag[r, i]
+                h_safe[i] = h
+                ratio[i] = coef[r, i] / h
+                remove[i] = coef[r, i] * ratio[i]
+                rem_max = max(rem_max, abs(remove[i]))
+                n_kept += 1
+                if not h > 0:
+                    bounded = False
+        neg_gain = np.empty(q_slots)
+        cand = np.empty(q_slots, np.int64)
+        n_cand = 0
+        for j in range(q_slots):
+            if pruned_ok[r, j] and w[r, pruned[r, j]] != 0:
+                s = schur[r, j]
+                neg_gain[n_cand] = -(resid[r, j] * resid[r, j] / s) if (s > 0 and bounded) else -np.inf
+                cand[n_cand] = j
+                n_cand += 1
+        if n_kept == 0 or n_cand == 0:
+            continue
+        slot_of = np.full(d if m > 0 else 0, -1, np.int64)
+        for i in range(k_slots):
+            if m > 0 and kept_ok[r, i]:
+                slot_of[kept[r, i]] = i
+        order = np.argsort(neg_gain[:n_cand])  # largest gain first
+        best, best_i, best_j, best_u, best_p = np.inf, 0, 0, big, big
+        zcol = np.empty(k_slots)
+        cost = np.empty(k_slots)
+        visited = 0
+        for t in range(n_cand):
+            ng = neg_gain[order[t]]
+            if ng > best + SKIP_RTOL * (rem_max - ng):
+                break  # this and every later slot: dF >= -gain > best
+            j = cand[order[t]]
+            visited += 1
+            p = pruned[r, j]
+            s = schur[r, j]
+            rr = resid[r, j]
+            fl = floor[p]
+            if m > 0:  # N:M: only the kept inputs of p's block
+                b0 = (p // m) * m
+                for q in range(b0, b0 + m):
+                    i = slot_of[q]
+                    if i < 0:
+                        continue
+                    z = zt[r, j, i]
+                    for k in range(rank[r]):
+                        z += fa[r, k, i] * fb[r, k, j]
+                    piv = z * z / h_safe[i] + s
+                    if not piv > fl:
+                        continue
+                    num = z * ratio[i] + rr
+                    c = remove[i] - num * num / piv
+                    u = kept[r, i]
+                    if c < best or (c == best and (u < best_u or (u == best_u and p < best_p))):
+                        best, best_i, best_j, best_u, best_p = c, i, j, u, p
+                continue
+            _column(zt, fa, fb, rank[r], r, j, zcol)
+            for i in range(k_slots):
+                z = zcol[i]
+                piv = z * z / h_safe[i] + s
+                num = z * ratio[i] + rr
+                c = remove[i] - num * num / piv
+                cost[i] = c if piv > fl else np.inf  # vacant slots: remove = inf
+            low = min_key64(cost.view(np.int64))
+            if low < best or (low == best and low < np.inf):
+                for i in range(k_slots):
+                    if cost[i] == low:
+                        u = kept[r, i]
+                        if low < best or u < best_u or (u == best_u and p < best_p):
+                            best, best_i, best_j, best_u, best_p = low, i, j, u, p
+        out_dl[e], out_i[e], out_j[e], out_cols[e] = best, best_i, best_j, visited
+
+
+@nb.njit(cache=True)
+def _remove(r, i, kept, kept_ok, inv, hdiag, coef, resid, schur, zt, fa, fc, fb, rank, zin):  # pragma: no cover
+    """Prune the input of kept slot ``i`` of row ``r`` (see ``refit_swaps.remove_kept``); adds one pending term.
+    Writes the pruned input's new ``Z`` column into ``zin`` and returns ``(u, r_u, s_u)``."""
+    k_slots = kept.shape[1]
+    q_slots = resid.shape[1]
+    k = rank[r]
+    hcol = np.empty(k_slots)
+    for x in range(k_slots):
+        hcol[x] = inv[r, i, x]
+    for kk in range(k):
+        weight = fc[r, kk] * fa[r, kk, i]
+        if weight != 0.0:
+            for x in range(k_slots):
+                hcol[x] += weight * fa[r, kk, x]
+    h_ii = hcol[i]
+    ratio = coef[r, i] / h_ii
+    zrow = np.empty(q_slots)
+    for q in range(q_slots):
+        zrow[q] = zt[r, q, i]
+    for kk in range(k):
+        a = fa[r, kk, i]
+        if a != 0.0:
+            for q in range(q_slots):
+                zrow[q] += a * fb[r, kk, q]
+    for x in range(k_slots):
+        scaled = hcol[x] / -h_ii
+        fa[r, k, x] = scaled
+        hdiag[r, x] += hcol[x] * scaled
+        coef[r, x] -= hcol[x] * ratio
+    fc[r, k] = -h_ii
+    for q in range(q_slots):
+        fb[r, k, q] = zrow[q]
+        resid[r, q] += zrow[q] * ratio
+        schur[r, q] += zrow[q] * zrow[q] / h_ii
+    rank[r] = k + 1
+    for x in range(k_slots):
+        zin[x] = fa[r, k, x]
+        inv[r, i, x] = 0.0
+        inv[r, x, i] = 0.0
+    zin[i] = 0.0
+    for kk in range(k + 1):
+        fa[r, kk, i] = 0.0
+    for q in range(q_slots):
+        zt[r, q, i] = 0.0
+    coef[r, i] = 0.0
+    hdiag[r, i] = 0.0
+    u = kept[r, i]
+    kept[r, i] = 0
+    kept_ok[r, i] = False
+    return u, ratio, 1.0 / h_ii
+
+
+@nb.njit(cache=True)
+def _place(r, j, u, zin, r_in, s_in, filled, pruned, pruned_ok, resid, schur, zt, fb, rank):  # pragma: no cover
+    """Write pruned input ``u`` (column ``zin``, ``r_u``, ``s_u``) into pruned slot ``j`` of row ``r``, or vacate the
+    slot (``filled`` False)."""
+    for x in range(zt.shape[2]):
+        zt[r, j, x] = zin[x] if filled else 0.0
+    for kk in range(rank[r]):
+        fb[r, kk, j] = 0.0
+    resid[r, j] = r_in if filled else 0.0
+    schur[r, j] = s_in if filled else 1.0
+    pruned[r, j] = u if filled else 0
+    pruned_ok[r, j] = filled
+
+
+@nb.njit(cache=True)
+def _restore(r, dest, p, piv, ratio, y, acc, t, gram, kept, kept_ok, pruned, pruned_ok, hdiag, coef, resid, schur,
+             fa, fc, fb, rank):  # pragma: no cover - compiled  # fmt: skip
+    """Restore input ``p`` (pivot ``s_p``, re-fitted value ``ratio = r_p / s_p``, column ``y = Z[:, p]`` and
+    ``acc = sum_{s in S} y_s G[s, :]``) into vacant kept slot ``dest`` of row ``r`` (see
+    ``refit_swaps.add_pruned``); adds one pending term."""
+    k_slots = kept.shape[1]
+    q_slots = pruned.shape[1]
+    for q in range(q_slots):  # t_q = G_pq - G[p, S] Z[:, q] = G_pq - y^T G[S, q]
+        t[q] = gram[p, pruned[r, q]] - acc[pruned[r, q]] if pruned_ok[r, q] else 0.0
+    y[dest] = -1.0
+    k = rank[r]
+    for x in range(k_slots):
+        fa[r, k, x] = y[x]
+        hdiag[r, x] += y[x] * (y[x] / piv)
+        coef[r, x] -= y[x] * ratio
+    fc[r, k] = 1.0 / piv
+    for q in range(q_slots):
+        fb[r, k, q] = t[q] / -piv
+        resid[r, q] -= t[q] * ratio
+        schur[r, q] -= t[q] * t[q] / piv
+    rank[r] = k + 1
+    kept[r, dest] = p
+    kept_ok[r, dest] = True
+
+
+@nb.njit(parallel=True, cache=True)
+def _apply(
+    rows, ops, slot_a, slot_b, gram, kept, kept_ok, pruned, pruned_ok, inv, hdiag, coef, resid, schur, zt, fa, fc,
+    fb, rank, block, out_u, out_p,
+):  # pragma: no cover - compiled  # fmt: skip
+    """Apply one move per entry: ``ops[e]`` 0 = swap kept slot ``slot_a`` with pruned slot ``slot_b``; 1 = prune kept
+    slot ``slot_a`` into vacant pruned slot ``slot_b``; 2 = restore pruned slot ``slot_b`` into vacant kept slot
+    ``slot_a``. Rows are distinct; each needs two free term slots. Writes the pruned and restored inputs (-1 where
+    none)."""
+    n = rows.shape[0]
+    k_slots = kept.shape[1]
+    q_slots = pruned.shape[1]
+    d = gram.shape[0]
+    for bk in nb.prange((n + block - 1) // block):
+        e0 = bk * block
+        ne = min(n, e0 + block) - e0
+        y = np.zeros((ne, k_slots))
+        acc = np.zeros((ne, d))
+        slot_of = np.full((ne, d), -1, np.int64)
+        pivot = np.ones(ne)
+        ratio = np.zeros(ne)
+        zin = np.empty(k_slots)
+        for a in range(ne):
+            e = e0 + a
+            r, op = rows[e], ops[e]
+            out_u[e], out_p[e] = -1, -1
+            u, r_in, s_in = np.int64(0), 0.0, 1.0
+            if op != _ADD:
+                u, r_in, s_in = _remove(r, slot_a[e], kept, kept_ok, inv, hdiag, coef, resid, schur, zt, fa, fc, fb,
+                                        rank, zin)  # fmt: skip
+                out_u[e] = u
+                if op == _REMOVE:
+                    _place(r, slot_b[e], u, zin, r_in, s_in, True, pruned, pruned_ok, resid, schur, zt, fb, rank)
+                    continue
+            j = slot_b[e]
+            _column(zt, fa, fb, rank[r], r, j, y[a])
+            pivot[a] = schur[r, j]
+            ratio[a] = resid[r, j] / pivot[a]  # the restored weight's re-fitted value
+            out_p[e] = pruned[r, j]
+            _place(r, j, u, zin, r_in, s_in, op == _SWAP, pruned, pruned_ok, resid, schur, zt, fb, rank)
+            for i in range(k_slots):
+                if kept_ok[r, i]:
+                    slot_of[a, kept[r, i]] = i
+        # acc = sum_{s in S} y_s G[s, :] per entry, each row of G read once for the block
+        for s in range(d):
+            for a in range(ne):
+                i = slot_of[a, s]
+                if i >= 0:
+                    c = y[a, i]
+                    if c != 0.0:
+                        for q in range(d):
+                            acc[a, q] += c * gram[s, q]
+        t = np.empty(q_slots)
+        for a in range(ne):
+            e = e0 + a
+            if ops[e] != _REMOVE:
+                _restore(rows[e], slot_a[e], out_p[e], pivot[a], ratio[a], y[a], acc[a], t, gram, kept, kept_ok,
+                         pruned, pruned_ok, hdiag, coef, resid, schur, fa, fc, fb, rank)  # fmt: skip
+
+
+# Elements of the [rows, Q, K] temporaries of one build chunk (32 MiB float64 each).
+BUILD_ELEMENTS = 1 << 22
+
+
+class NumbaRefitState:
+    """Float64 re-fit state of ``R`` rows for the compiled engine (CPU tensors; the kernels work on their numpy
+    views, in place).
+
+    The attributes of :class:`~sparseswaps_prune.core.refit_swaps.RefitState` with the same meaning -- ``kept``,
+    ``kept_ok``, ``pruned``, ``pruned_ok``, ``coef`` (``v``), ``resid`` (``r``), ``schur`` (``s``) -- plus the lazy
+    form of ``H`` and ``Z``: ``inv`` ``[R, K, K]`` base ``H0``, ``hdiag`` ``[R, K]`` the exact diagonal of ``H``,
+    ``zt`` ``[R, Q, K]`` base ``Z0`` transposed (a column of ``Z`` is contiguous), and the pending terms ``fa``
+    ``[R, F, K]``, ``fc`` ``[R, F]``, ``fb`` ``[R, F, Q]``, ``rank`` ``[R]`` (``H = H0 + sum_k fc_k fa_k fa_k^T``,
+    ``Z = Z0 + sum_k fa_k fb_k^T`` over ``k < rank``; entries past ``rank`` are zero).
+
+    Args:
+        w64: ``[R, d]`` float64 CPU weights; keep: ``[R, d]`` bool mask the state is built from (read by
+            :meth:`build` only; neither is modified). gram64: ``[d, d]`` float64 Gram; lam: absolute damping.
+        k_slots, q_slots: kept and pruned slot counts. m: N:M block size, or None.
+        factor_slots: pending terms per row before a fold (even, >= 2; default ``FACTOR_SLOTS``).
+    """
+
+    def __init__(
+        self,
+        w64: torch.Tensor,
+        keep: torch.Tensor,
+        gram64: torch.Tensor,
+        lam: float,
+        k_slots: int,
+        q_slots: int,
+        m: int | None,
+        *,
+        factor_slots: int | None = None,
+    ) -> None:
+        if w64.device.type != "cpu":
+            raise ValueError(f"the numba re-fit engine runs on the CPU; got tensors on {w64.device}")
+        factor_slots = factor_slots or FACTOR_SLOTS
+        if factor_slots < 2 or factor_slots % 2:
+            raise ValueError(f"factor_slots must be an even number >= 2, got {factor_slots}")
+        self.w64, self.keep = w64.contiguous(), keep
+        self.gram64 = gram64.contiguous()
+        self.lam, self.m, self.factor_slots = lam, m, factor_slots
+        self.floor = (1e-10 * (torch.diagonal(self.gram64) + lam)).contiguous()  # refit_swaps.pivot_floor
+        rows = w64.shape[0]
+        long, f64 = {"dtype": torch.long}, {"dtype": torch.float64}
+        self.kept = torch.zeros(rows, k_slots, **long)
+        self.kept_ok = torch.zeros(rows, k_slots, dtype=torch.bool)
+        self.pruned = torch.zeros(rows, q_slots, **long)
+        self.pruned_ok = torch.zeros(rows, q_slots, dtype=torch.bool)
+        self.inv = torch.zeros(rows, k_slots, k_slots, **f64)
+        self.hdiag = torch.zeros(rows, k_slots, **f64)
+        self.coef = torch.zeros(rows, k_slots, **f64)
+        self.resid = torch.zeros(rows, q_slots, **f64)
+        self.schur = torch.ones(rows, q_slots, **f64)
+        self.zt = torch.zeros(rows, q_slots, k_slots, **f64)
+        self.fa = torch.zeros(rows, factor_slots, k_slots, **f64)
+        self.fc = torch.zeros(rows, factor_slots, **f64)
+        self.fb = torch.zeros(rows, factor_slots, q_slots, **f64)
+        self.rank = torch.zeros(rows, **long)
+        self.visited = 0  # pruned columns visited by the scans so far (statistics)
+
+    @property
+    def slots(self) -> tuple[int, int]:
+        """``(K, Q)``."""
+        return self.kept.shape[1], self.pruned.shape[1]
+
+    def build(self, rows: torch.Tensor, *, row_offset: int | torch.Tensor = 0) -> None:
+        """Rebuild rows ``rows`` (``[n]`` int64) from ``keep`` from scratch, in place: Cholesky of
+        ``G_SS + lambda I``, ``H0 = (G_SS + lambda I)^{-1}``, ``v``, ``Z0 = H0 G[S, P]``, ``r``, ``s``; no pending
+        terms. ``row_offset``: layer indices of ``rows`` (tensor) or of row 0 (int), for the singular-system error.
+
+        Raises:
+            ValueError: ``G_SS + lambda I`` is not positive definite for some rows (names them; raise ``damp``).
+        """
+        k_slots, q_slots = self.slots
+        d = self.gram64.shape[0]
+        chunk = max(1, BUILD_ELEMENTS // max(1, k_slots * q_slots))
+        names = rows + row_offset if isinstance(row_offset, int) else row_offset
+        diag = torch.diagonal(self.gram64)
+        for c0 in range(0, rows.numel(), chunk):
+            sub = rows[c0 : c0 + chunk]
+            keep = self.keep[sub]
+            counts = keep.sum(dim=1)
+            kept, kept_ok, factor = factor_kept(self.gram64, keep, self.lam, k_slots, row_offset=names[c0 : c0 + chunk])
+            kept = torch.where(kept_ok, kept, 0)
+            pruned = torch.sort(keep.to(torch.int8), dim=1, stable=True).indices[:, :q_slots]
+            pruned_ok = torch.arange(q_slots) < (d - counts)[:, None]
+            pruned = torch.where(pruned_ok, pruned, 0)
+            inv = torch.cholesky_inverse(factor) * (kept_ok[:, :, None] & kept_ok[:, None, :])
+            target = self.w64[sub] @ self.gram64
+            rhs = torch.where(kept_ok, target.gather(1, kept), 0.0)[:, :, None]
+            half = torch.linalg.solve_triangular(factor, rhs, upper=False)
+            coef = torch.linalg.solve_triangular(factor.mT, half, upper=True).squeeze(2)
+            cross = self.gram64[pruned[:, :, None], kept[:, None, :]]
+            cross *= pruned_ok[:, :, None] & kept_ok[:, None, :]  # G[P, S], [n, Q, K]
+            zt = torch.bmm(cross, inv)  # Z^T = G[P, S] H
+            fitted = torch.bmm(cross, coef[:, :, None]).squeeze(2)  # G[P, S] v
+            resid = torch.where(pruned_ok, target.gather(1, pruned) - fitted, 0.0)
+            schur = torch.where(pruned_ok, diag[pruned] + self.lam - (cross * zt).sum(dim=2), 1.0)
+            self.kept[sub], self.kept_ok[sub], self.pruned[sub], self.pruned_ok[sub] = kept, kept_ok, pruned, pruned_ok
+            self.inv[sub], self.hdiag[sub], self.coef[sub] = inv, torch.diagonal(inv, dim1=1, dim2=2), coef
+            self.resid[sub], self.schur[sub], self.zt[sub] = resid, schur, zt
+            self.fa[sub], self.fc[sub], self.fb[sub], self.rank[sub] = 0.0, 0.0, 0.0, 0
+
+    def scan(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Best swap of every row in ``rows`` (``[n]`` int64): ``dF`` ``[n]`` float64 (``+inf`` where no feasible
+        pair), kept slot and pruned slot ``[n]`` int64; as :func:`~sparseswaps_prune.core.refit_swaps.scan_swaps`."""
+        n = rows.numel()
+        dl = np.empty(n)
+        slot_i, slot_j, cols = np.empty(n, np.int64), np.empty(n, np.int64), np.empty(n, np.int64)
+        _scan(
+            rows.contiguous().numpy(), self.w64.numpy(), self.kept.numpy(), self.kept_ok.numpy(),
+            self.pruned.numpy(), self.pruned_ok.numpy(), self.hdiag.numpy(), self.coef.numpy(), self.resid.numpy(),
+            self.schur.numpy(), self.zt.numpy(), self.fa.numpy(), self.fb.numpy(), self.rank.numpy(),
+            self.floor.numpy(), self.m or 0, dl, slot_i, slot_j, cols,
+        )  # fmt: skip
+        self.visited += int(cols.sum())
+        return torch.from_numpy(dl), torch.from_numpy(slot_i), torch.from_numpy(slot_j)
+
+    def best_removals(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cheapest removal per row, ``min_u v_u^2 / H_uu``, and its kept slot (``refit_swaps.best_removals``)."""
+        from sparseswaps_prune.core.refit_swaps import _row_min
+
+        kept_ok, coef = self.kept_ok[rows], self.coef[rows]
+        cost = torch.where(kept_ok, coef * coef / torch.where(kept_ok, self.hdiag[rows], 1.0), float("inf"))
+        return _row_min(cost, self.kept[rows])
+
+    def best_additions(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Best restore per row, ``min_p -r_p^2 / s_p``, and its pruned slot (``refit_swaps.best_additions``)."""
+        from sparseswaps_prune.core.refit_swaps import _row_min
+
+        schur, pruned = self.schur[rows], self.pruned[rows]
+        ok = self.pruned_ok[rows] & (self.w64[rows].gather(1, pruned) != 0) & (schur > self.floor[pruned])
+        gain = torch.where(ok, -self.resid[rows].square() / torch.where(ok, schur, 1.0), float("inf"))
+        return _row_min(gain, pruned)
+
+    def fold(self, rows: torch.Tensor) -> None:
+        """Fold the pending terms of ``rows`` into ``H0`` and ``Z0`` (one BLAS product per row; all rows at once
+        when most have terms pending), in place."""
+        rows = rows[self.rank[rows] > 0]
+        if rows.numel() == 0:
+            return
+        if 2 * rows.numel() > self.rank.numel():  # all rows in one batched product (zero terms add nothing)
+            k = int(self.rank.max())
+            fa = self.fa[:, :k]
+            self.zt.baddbmm_(self.fb[:, :k].transpose(1, 2), fa)
+            self.inv.baddbmm_(fa.transpose(1, 2), fa * self.fc[:, :k, None])
+            rows = torch.arange(self.rank.numel())
+        else:
+            for r in rows.tolist():
+                k = int(self.rank[r])
+                fa = self.fa[r, :k]
+                self.zt[r].addmm_(self.fb[r, :k].T, fa)
+                self.inv[r].addmm_(fa.T, fa * self.fc[r, :k, None])
+        self.fa[rows], self.fc[rows], self.fb[rows], self.rank[rows] = 0.0, 0.0, 0.0, 0
+
+    def _moves(self, op: int, rows: torch.Tensor, slot_a: torch.Tensor, slot_b: torch.Tensor):
+        n = rows.numel()
+        out_u, out_p = np.empty(n, np.int64), np.empty(n, np.int64)
+        if n == 0:
+            return torch.from_numpy(out_u), torch.from_numpy(out_p)
+        self.fold(rows[self.rank[rows] + 2 > self.factor_slots])
+        _apply(
+            rows.contiguous().numpy(), np.full(n, op, np.int64), slot_a.contiguous().numpy(),
+            slot_b.contiguous().numpy(), self.gram64.numpy(), self.kept.numpy(), self.kept_ok.numpy(),
+            self.pruned.numpy(), self.pruned_ok.numpy(), self.inv.numpy(), self.hdiag.numpy(), self.coef.numpy(),
+            self.resid.numpy(), self.schur.numpy(), self.zt.numpy(), self.fa.numpy(), self.fc.numpy(),
+            self.fb.numpy(), self.rank.numpy(), ROW_BLOCK, out_u, out_p,
+        )  # fmt: skip
+        return torch.from_numpy(out_u), torch.from_numpy(out_p)
+
+    def swap(self, rows: torch.Tensor, slot_i: torch.Tensor, slot_j: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Swap kept slot ``slot_i`` and pruned slot ``slot_j`` of each (distinct) row; returns the inputs
+        ``(u, p)`` (as :func:`~sparseswaps_prune.core.refit_swaps.swap_slots`)."""
+        return self._moves(_SWAP, rows, slot_i, slot_j)
+
+    def remove(self, rows: torch.Tensor, slot_i: torch.Tensor, vacant_j: torch.Tensor) -> torch.Tensor:
+        """Prune kept slot ``slot_i`` of each row into its vacant pruned slot ``vacant_j``; returns the inputs."""
+        return self._moves(_REMOVE, rows, slot_i, vacant_j)[0]
+
+    def add(self, rows: torch.Tensor, slot_j: torch.Tensor, vacant_i: torch.Tensor) -> torch.Tensor:
+        """Restore pruned slot ``slot_j`` of each row into its vacant kept slot ``vacant_i`` (the pruned slot
+        becomes vacant); returns the inputs."""
+        return self._moves(_ADD, rows, vacant_i, slot_j)[1]
+
+    def grow(self, k_slots: int, q_slots: int) -> None:
+        """Enlarge to at least ``k_slots`` kept and ``q_slots`` pruned slots (new slots vacant), in place."""
+        k_old, q_old = self.slots
+        k_new, q_new = max(k_old, k_slots), max(q_old, q_slots)
+        if (k_new, q_new) == (k_old, q_old):
+            return
+
+        def pad(t: torch.Tensor, dims: dict[int, int], fill: float = 0) -> torch.Tensor:
+            shape = [dims.get(i, s) for i, s in enumerate(t.shape)]
+            out = torch.full(shape, fill, dtype=t.dtype)
+            out[tuple(slice(0, s) for s in t.shape)] = t
+            return out
+
+        k, q = {1: k_new}, {1: q_new}
+        self.kept, self.kept_ok, self.coef, self.hdiag = (pad(t, k) for t in (self.kept, self.kept_ok, self.coef,
+                                                                              self.hdiag))  # fmt: skip
+        self.pruned, self.pruned_ok, self.resid = (pad(t, q) for t in (self.pruned, self.pruned_ok, self.resid))
+        self.schur = pad(self.schur, q, 1.0)
+        self.inv = pad(self.inv, {1: k_new, 2: k_new})
+        self.zt = pad(self.zt, {1: q_new, 2: k_new})
+        self.fa = pad(self.fa, {2: k_new})
+        self.fb = pad(self.fb, {2: q_new})
+
+    def fitted(self) -> torch.Tensor:
+        """``[R, d]`` float64 re-fitted weights ``v`` (zero off the kept set)."""
+        out = torch.zeros(self.w64.shape, dtype=torch.float64)
+        return out.scatter_add_(1, self.kept, torch.where(self.kept_ok, self.coef, 0.0))

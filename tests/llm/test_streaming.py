@@ -1,0 +1,277 @@
+"""The out-of-core block-wise path (llm/streaming.py) and layer-parallel ranks (llm/distributed.py), against the
+in-memory pipeline on tiny random models saved as sharded safetensors."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from transformers import AutoModelForCausalLM
+
+from sparseswaps_prune.core.spec import build_spec
+from sparseswaps_prune.llm import pipeline, streaming
+from sparseswaps_prune.llm.distributed import assign_layers
+from sparseswaps_prune.llm.models import tiny_model
+from sparseswaps_prune.llm.pipeline import PruneOptions, finalize, prune_model
+from sparseswaps_prune.llm.streaming import SafetensorsCheckpoint, ShardedWriter, prune_checkpoint
+from sparseswaps_prune.modules import PrunableLayer
+
+SHARD = "1MB"  # the tiny models' embeddings (12.6 MB) get shards of their own, the blocks share one
+
+
+def calib(n: int = 2, seqlen: int = 12, seed: int = 0) -> torch.Tensor:
+    return torch.randint(3, 3000, (n, seqlen), generator=torch.Generator().manual_seed(seed))
+
+
+def tensors(directory: Path) -> dict[str, torch.Tensor]:
+    reader = SafetensorsCheckpoint(directory)
+    return reader.read(reader.files)
+
+
+def assert_same_checkpoint(a: Path, b: Path) -> None:
+    """Same tensors (names, dtypes, bits), same shard layout and config."""
+    ta, tb = tensors(a), tensors(b)
+    assert ta.keys() == tb.keys()
+    for key in ta:
+        assert ta[key].dtype == tb[key].dtype and torch.equal(ta[key], tb[key]), key
+    weights = [n for n in sorted(os.listdir(a)) if n.startswith("model")]
+    assert weights == [n for n in sorted(os.listdir(b)) if n.startswith("model")]
+    if "model.safetensors.index.json" in weights:
+        assert json.loads((a / weights[-1]).read_text()) == json.loads((b / weights[-1]).read_text())
+    assert json.loads((a / "config.json").read_text()) == json.loads((b / "config.json").read_text())
+
+
+def timeless(reports: list) -> list:
+    """Layer reports without their timings (the only fields two runs may differ in)."""
+    return [dataclasses.replace(r, seconds_mask=0.0, seconds_weights=0.0) for r in reports]
+
+
+def save_source(path: Path, arch: str, dtype: torch.dtype = torch.float32, **overrides) -> Path:
+    tiny_model(arch, **overrides).to(dtype).save_pretrained(path, max_shard_size=SHARD)
+    return path
+
+
+def in_memory(source: Path, out: Path, options: PruneOptions, dtype: torch.dtype, **kwargs):
+    """What the job does: from_pretrained, prune_model, finalize, save_pretrained."""
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype).eval()
+    result = prune_model(model, calib(), options, progress=False, **kwargs)
+    finalize(model)
+    model.save_pretrained(out, max_shard_size=SHARD)
+    return model, result
+
+
+@pytest.mark.parametrize(
+    ("arch", "weights", "stored", "dtype"),
+    [
+        ("llama", "keep", torch.float32, torch.float32),
+        ("llama", None, torch.float32, torch.float32),  # the default spec (re-fit, held-out guard)
+        ("qwen2", "keep", torch.bfloat16, torch.bfloat16),  # bf16 kept as stored (dtype=None)
+        ("mistral", "keep", torch.bfloat16, torch.float32),  # bf16 stored, pruned in fp32
+        ("gemma2", "keep", torch.float32, torch.float32),  # tied embeddings
+        ("opt", "keep", torch.float32, torch.float32),
+        ("gpt2", None, torch.float32, torch.float32),  # Conv1D layers, tied embeddings
+    ],
+)
+def test_streaming_equals_in_memory_bit_for_bit(tmp_path, arch, weights, stored, dtype):
+    source = save_source(tmp_path / "src", arch, stored)
+    spec = build_spec(max_iters=1) if weights is None else build_spec(max_iters=1, weights=weights)
+    options = PruneOptions(spec=spec)
+    held = calib(2, seed=1) if weights is None else None
+    model, result = in_memory(source, tmp_path / "mem", options, dtype, holdout_tokens=held)
+    streamed = prune_checkpoint(
+        source,
+        tmp_path / "stream",
+        calib(),
+        options,
+        dtype=None if dtype == stored else dtype,
+        holdout_tokens=held,
+        max_shard_size=SHARD,
+        progress=False,
+    )
+    assert_same_checkpoint(tmp_path / "mem", tmp_path / "stream")
+    assert timeless(streamed.layers) == timeless(result.layers)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "stream")
+    assert reloaded.dtype == dtype
+    expected = model.state_dict()
+    for key, value in reloaded.state_dict().items():
+        assert torch.equal(value, expected[key]), key
+    modules = dict(reloaded.named_modules())
+    for report in streamed.layers:  # exact zeros where the masks prune
+        weight = PrunableLayer(report.name, modules[report.name]).weight_2d()
+        assert not weight[~result.masks[report.name]].any()
+
+
+def test_one_block_in_memory_at_a_time_and_report(tmp_path, monkeypatch):
+    source = save_source(tmp_path / "src", "llama", num_hidden_layers=3)
+    seen = []
+    original = pipeline._process_block
+
+    def spy(blocks, blocks_name, index, *args, **kwargs):
+        model_blocks = [any(p.device.type != "meta" for p in block.parameters()) for block in blocks]
+        seen.append((index, model_blocks, spy.model.lm_head.weight.device.type, spy.model.model.embed_tokens))
+        return original(blocks, blocks_name, index, *args, **kwargs)
+
+    real_skeleton = streaming._skeleton
+
+    def skeleton(*args, **kwargs):
+        spy.model = real_skeleton(*args, **kwargs)
+        return spy.model
+
+    monkeypatch.setattr(streaming, "_skeleton", skeleton)
+    monkeypatch.setattr(pipeline, "_process_block", spy)
+    options = PruneOptions(spec=build_spec(max_iters=1, weights="keep"))
+    result = prune_checkpoint(source, tmp_path / "out", calib(), options, max_shard_size=SHARD, progress=False)
+    assert [s[0] for s in seen] == [0, 1, 2]
+    for index, loaded, head_device, embeddings in seen:
+        assert loaded == [k == index for k in range(3)]  # only the block being pruned holds weights
+        assert head_device == "meta"  # the untied lm_head is never loaded
+        assert embeddings.weight.device.type == "meta"  # the embeddings are dropped after the capture
+    report = result.report
+    files = sorted(os.listdir(tmp_path / "out"))
+    assert sorted(result.files) == files
+    assert report["bytes_written"] == sum((tmp_path / "out" / name).stat().st_size for name in files)
+    assert report["bytes_read"] == sum(t.numel() * t.element_size() for t in tensors(source).values())
+    block = tiny_model("llama").model.layers[0]
+    assert report["block_bytes"] == sum(p.numel() * 4 for p in block.parameters())
+    assert report["embedding_bytes"] == 49152 * 64 * 4 + 64 * 4  # embeddings + final norm
+    assert [b["block"] for b in report["blocks"]] == [0, 1, 2]
+    assert all(b["seconds"] > 0 and b["peak_rss_bytes"] >= b["rss_bytes"] > 0 for b in report["blocks"])
+    assert report["peak_rss_bytes"] >= report["blocks"][-1]["peak_rss_bytes"]
+    assert report["peak_rss_since"] in ("call", "process") and report["world_size"] == 1
+
+
+def test_single_file_checkpoint_other_files_and_stale_shards(tmp_path):
+    source = tmp_path / "src"
+    tiny_model("gpt2").save_pretrained(source)  # one model.safetensors, no index
+    (source / "tokenizer.json").write_text('{"made": "by the test"}')
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "model-00001-of-00009.safetensors").write_bytes(b"stale")  # an earlier save's shard
+    (out / "notes.txt").write_text("kept")
+    options = PruneOptions(spec=build_spec(max_iters=1, weights="keep"))
+    result = prune_checkpoint(source, out, calib(), options, progress=False)
+    assert "model.safetensors.index.json" not in result.files
+    assert sorted(os.listdir(out)) == sorted(
+        ["config.json", "generation_config.json", "model.safetensors", "notes.txt", "tokenizer.json"]
+    )
+    assert (out / "tokenizer.json").read_text() == '{"made": "by the test"}'
+    model, _ = in_memory(source, tmp_path / "mem", options, torch.float32)
+    saved = tensors(out)
+    for key, value in model.state_dict().items():
+        if key != "lm_head.weight":  # tied to the embeddings: saved once
+            assert torch.equal(saved[key], value), key
+
+
+def test_refusals_write_nothing(tmp_path):
+    source = save_source(tmp_path / "src", "llama")
+    options = PruneOptions(spec=build_spec(max_iters=1))
+    with pytest.raises(ValueError, match="source directory"):
+        prune_checkpoint(source, source, calib(), options, progress=False)
+    with pytest.raises(ValueError, match="no linear layer"):
+        prune_checkpoint(source, tmp_path / "a", calib(), PruneOptions(include=["*.nothing"]), progress=False)
+    with pytest.raises(FileNotFoundError, match="safetensors"):
+        prune_checkpoint(tmp_path / "a", tmp_path / "b", calib(), options, progress=False)
+    index = json.loads((source / "model.safetensors.index.json").read_text())
+    del index["weight_map"]["model.layers.1.mlp.up_proj.weight"]
+    (source / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.up_proj\.weight is not in the checkpoint"):
+        prune_checkpoint(source, tmp_path / "c", calib(), options, progress=False)
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists() and not (tmp_path / "c").exists()
+
+
+def test_sharded_writer_any_order_and_incomplete(tmp_path):
+    gen = torch.Generator().manual_seed(0)
+    data = {
+        "a.weight": torch.randn(10, 30, generator=gen),  # 1200 bytes: over the limit, a shard of its own
+        "b.weight": torch.randn(40, generator=gen).to(torch.bfloat16),
+        "c.mask": torch.rand(7, 5, generator=gen) > 0.5,
+        "d.count": torch.tensor(3, dtype=torch.int64),
+    }
+    plan = [(k, v.dtype, tuple(v.shape)) for k, v in data.items()]
+    writer = ShardedWriter(tmp_path / "w", plan, 200)
+    for key in reversed(list(data)):
+        writer.write(key, data[key])
+    with pytest.raises(ValueError, match="already written"):
+        writer.write("a.weight", data["a.weight"])
+    files = writer.close()
+    assert files == [
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+        "model.safetensors.index.json",
+    ]
+    index = json.loads((tmp_path / "w" / "model.safetensors.index.json").read_text())
+    assert index["weight_map"]["a.weight"] == files[0] and index["weight_map"]["d.count"] == files[1]
+    back = tensors(tmp_path / "w")
+    assert back.keys() == data.keys() and all(
+        torch.equal(back[k], v) and back[k].dtype == v.dtype for k, v in data.items()
+    )
+    incomplete = ShardedWriter(tmp_path / "x", plan, "1KB")
+    with pytest.raises(ValueError, match="planned"):
+        incomplete.write("b.weight", data["b.weight"].float())
+    incomplete.write("a.weight", data["a.weight"])
+    with pytest.raises(ValueError, match="never written"):
+        incomplete.close()
+    assert os.listdir(tmp_path / "x") == []
+
+
+def test_assign_layers_balances_by_cost():
+    model = tiny_model("llama")
+    from sparseswaps_prune.modules import find_layers
+
+    layers = find_layers(model.model.layers[0], prefix="b")  # q k v o (64 in), gate up (64 in), down (128 in)
+    owners = assign_layers(layers, 2)
+    assert owners == assign_layers(layers, 2) and set(owners) == {0, 1}
+    down = [layer.name for layer in layers].index("b.mlp.down_proj")
+    assert owners.count(owners[down]) < owners.count(1 - owners[down])  # the costliest layer's rank gets fewer
+    assert assign_layers(layers, 1) == [0] * len(layers)
+
+
+def _ranks_worker(rank: int, world_size: int, tmp: str) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=world_size)
+    try:
+        options = PruneOptions(spec=build_spec(max_iters=1))
+        model = AutoModelForCausalLM.from_pretrained(f"{tmp}/src").eval()
+        result = prune_model(model, calib(), options, progress=False, holdout_tokens=calib(2, seed=1), distributed=True)
+        finalize(model)
+        torch.save({"state": model.state_dict(), "masks": result.masks, "layers": result.layers}, f"{tmp}/mem{rank}.pt")
+        held = calib(2, seed=1)
+        streamed = prune_checkpoint(
+            f"{tmp}/src",
+            f"{tmp}/stream",
+            calib(),
+            options,
+            holdout_tokens=held,
+            max_shard_size=SHARD,
+            distributed=True,
+            progress=False,
+        )
+        torch.save({"layers": streamed.layers, "files": streamed.files, "report": streamed.report}, f"{tmp}/s{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_gloo_ranks_equal_one_process(tmp_path):
+    source = save_source(tmp_path / "src", "llama", num_hidden_layers=3)
+    options = PruneOptions(spec=build_spec(max_iters=1))
+    model, result = in_memory(source, tmp_path / "one", options, torch.float32, holdout_tokens=calib(2, seed=1))
+    mp.spawn(_ranks_worker, args=(2, str(tmp_path)), nprocs=2, join=True)
+    expected = model.state_dict()
+    for rank in (0, 1):
+        got = torch.load(tmp_path / f"mem{rank}.pt", weights_only=False)
+        assert got["state"].keys() == expected.keys()
+        assert all(torch.equal(got["state"][k], v) for k, v in expected.items())
+        assert all(torch.equal(got["masks"][k], v) for k, v in result.masks.items())
+        assert timeless(got["layers"]) == timeless(result.layers)
+        s = torch.load(tmp_path / f"s{rank}.pt", weights_only=False)
+        assert timeless(s["layers"]) == timeless(result.layers)
+        assert s["report"]["world_size"] == 2 and s["report"]["rank"] == rank
+        assert (s["files"] != []) == (rank == 0)  # rank 0 writes
+    assert_same_checkpoint(tmp_path / "one", tmp_path / "stream")
