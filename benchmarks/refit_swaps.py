@@ -1,12 +1,13 @@
 """Re-fit-objective swap speed: state construction and one iteration per row batch, against the mask-only search.
 
-For each width d_in at 60% per-row sparsity (Wanda warmstart on a random correlated layer), prints per row:
-the time to build the float64 re-fit state (Cholesky of G_SS + lambda I, H, v, r, s and Z = H G[S, P]:
-O(k^2 (d_in - k))), of one re-fit iteration (the pair scan, then the rank-one updates of the applied swaps:
-O(k (d_in - k))), and of one mask-only iteration (best_swaps on the default backend, then the float64 c update),
-plus the state's memory per row. Figures go to BENCHMARKS.md only from a quiet machine.
+For each width d_in at 60% per-row sparsity (Wanda warmstart on a random correlated layer), prints per row and per
+re-fit engine (the torch reference and, on the CPU, the compiled numba engine): the time to build the float64 re-fit
+state (Cholesky of G_SS + lambda I, H, v, r, s and Z = H G[S, P]: O(k^2 (d_in - k))) and of one re-fit iteration
+(the pair scan, then the updates of the applied swaps), against a least-squares re-fit of the same mask
+(refit_weights) and one mask-only iteration (best_swaps on the default backend, then the float64 c update), plus
+the state's memory per row. Figures go to BENCHMARKS.md only from a quiet machine.
 
-    python benchmarks/refit_swaps.py [--device cpu] [--widths 576 1536 4096] [--rows 8] [--threads N]
+    python benchmarks/refit_swaps.py [--device cpu] [--widths 576 1536 4096] [--rows 8] [--iters 8] [--threads N]
 """
 
 from __future__ import annotations
@@ -17,10 +18,10 @@ import time
 
 import torch
 
-from sparseswaps_prune.core import refit_swaps as rs
 from sparseswaps_prune.core.backends import best_swaps, resolve_backend
 from sparseswaps_prune.core.losses import correlation
-from sparseswaps_prune.core.refit import damping
+from sparseswaps_prune.core.refine import RefitRows
+from sparseswaps_prune.core.refit import damping, refit_weights
 from sparseswaps_prune.core.warmstart import warmstart_mask
 
 
@@ -51,27 +52,35 @@ def timed(fn, repeat: int = 3) -> float:
     return (time.perf_counter() - start) / repeat
 
 
-def measure(d_in: int, n_rows: int, device: str, damp: float, search: str) -> tuple[int, float, float, float, float]:
-    """``(k, state MiB per row, build s/row, re-fit iteration s/row, mask-only iteration s/row)`` for one width."""
+def measure(
+    d_in: int, n_rows: int, device: str, damp: float, search: str, iters: int
+) -> tuple[int, float, dict[str, tuple[float, float]], float, float]:
+    """``(k, state MiB per row, {engine: (build s/row, iteration s/row)}, least-squares re-fit s/row, mask-only
+    iteration s/row)`` for one width. An iteration is the pair scan of every row plus the updates of the applied
+    swaps, averaged over ``iters`` iterations (the compiled engine folds its pending terms every few moves)."""
     weight, gram, keep = problem(d_in, n_rows, device)
     k = int(keep.sum(1).max())
     q = d_in - k
     lam = damping(gram, damp)
-    floor = rs.pivot_floor(gram, lam)
     rows = torch.arange(n_rows, device=weight.device)
-    build = timed(lambda: rs.build_state(weight, keep, gram, lam, k, q), repeat=1)
+    engines = ["torch", "numba"] if weight.device.type == "cpu" else ["torch"]
+    figures = {}
+    for engine in engines:
 
-    def refit_iteration() -> float:
-        state = rs.build_state(weight, keep, gram, lam, k, q)
-        _sync()
-        start = time.perf_counter()  # the iteration only, not the build
-        dl, slot_i, slot_j = rs.scan_swaps(state, weight, rows, floor)
-        accept = dl < 0
-        rs.swap_slots(state, rows[accept], slot_i[accept], slot_j[accept], gram)
-        _sync()
-        return time.perf_counter() - start
+        def build(engine: str = engine) -> RefitRows:
+            return RefitRows(weight, keep.clone(), gram, lam=lam, m=None, row_batch=n_rows, cross=False, engine=engine)
 
-    refit_it = min(refit_iteration() for _ in range(2))
+        build_s = timed(build, repeat=1)
+        model = build()
+        _sync()
+        start = time.perf_counter()  # the iterations only, not the build
+        for _ in range(iters):
+            fig = model.figures(rows, cross=False)
+            accept = fig.swap_dl < 0
+            model.apply((rows[accept], fig.swap_a[accept], fig.swap_b[accept]))
+        _sync()
+        figures[engine] = (build_s / n_rows, (time.perf_counter() - start) / iters / n_rows)
+    ls = timed(lambda: refit_weights(weight, gram, keep, damp=damp), repeat=1)
     w32, g32 = weight.float(), gram.float()
     corr = correlation(weight, gram, keep)
 
@@ -82,7 +91,7 @@ def measure(d_in: int, n_rows: int, device: str, damp: float, search: str) -> tu
 
     mask_it = timed(mask_iteration)
     mib = (k * k + k * q) * 8 / 2**20
-    return k, mib, build / n_rows, refit_it / n_rows, mask_it / n_rows
+    return k, mib, figures, ls / n_rows, mask_it / n_rows
 
 
 def main() -> None:
@@ -91,6 +100,7 @@ def main() -> None:
     parser.add_argument("--widths", type=int, nargs="+", default=[576, 1536, 4096])
     parser.add_argument("--rows", type=int, default=8, help="rows per batch")
     parser.add_argument("--damp", type=float, default=0.01)
+    parser.add_argument("--iters", type=int, default=8, help="re-fit iterations averaged per engine")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     args = parser.parse_args()
     if args.threads:
@@ -100,12 +110,17 @@ def main() -> None:
         f"torch {torch.__version__}, device {args.device}, {args.rows} rows per batch"
     )
     print(
-        f"{'d_in':>5} {'k':>5} {'state MiB/row':>13} {'build s/row':>11} {'refit it s/row':>14} {'mask it s/row':>13}"
+        f"{'d_in':>5} {'k':>5} {'state MiB/row':>13} {'engine':>6} {'build s/row':>11} {'refit it s/row':>14} "
+        f"{'ls re-fit s/row':>15} {'mask it s/row':>13}"
     )
     search = resolve_backend("auto", torch.device(args.device), None)
     for d_in in args.widths:
-        k, mib, build, refit_it, mask_it = measure(d_in, args.rows, args.device, args.damp, search)
-        print(f"{d_in:>5} {k:>5} {mib:>13.1f} {build:>11.3e} {refit_it:>14.3e} {mask_it:>13.3e}")
+        k, mib, figures, ls, mask_it = measure(d_in, args.rows, args.device, args.damp, search, args.iters)
+        for engine, (build, refit_it) in figures.items():
+            print(
+                f"{d_in:>5} {k:>5} {mib:>13.1f} {engine:>6} {build:>11.3e} {refit_it:>14.3e} {ls:>15.3e} "
+                f"{mask_it:>13.3e}"
+            )
 
 
 if __name__ == "__main__":
