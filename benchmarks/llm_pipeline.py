@@ -1,8 +1,10 @@
 """The full sequential pipeline (``prune_model``) end to end: time per block and in total, peak memory, per T.
 
 One ``prune_model`` run per ``T`` in ``--iters`` (Wanda start, 60% per row by default; SparseSwaps masks only, the
-kept weights as they are: ``build_spec(start=..., max_iters=T, weights="keep")``), each from the same dense weights
-(restored between runs), on random calibration token ids drawn with a fixed seed:
+kept weights as they are: ``build_spec(start=..., max_iters=T, weights="keep")``; with ``--objective refit`` the
+swaps are chosen under the re-fit objective and the layer keeps the re-fitted weights they yield, ``weights="ls",
+guard=False``), each from the same dense weights (restored between runs), on random calibration token ids
+drawn with a fixed seed:
 
 * ``--model llama-3.1-8b`` (or ``llama-3.1-70b``): the LLaMA-3.1 architecture built from its config with
   random weights (no download). ``--blocks K`` builds only the first K decoder blocks; the full-model time
@@ -365,21 +367,24 @@ def run_once(
 
 
 def add_per_iteration(rows: list[dict[str, Any]]) -> None:
-    """Set each T > 0 row's ``seconds_per_iter``: per layer, refinement time / the iterations it ran
-    (``max(iters, 1)``), summed over the layers run. The refinement time is the layer's time minus its time
-    in the T=0 run when there is one (else the start mask is included, and ``per_iter_includes_start``
-    says so)."""
-    base_row = next((r for r in rows if r["iters"] == 0), None)
-    base = {layer["name"]: layer["seconds"] for layer in base_row["layers"]} if base_row else {}
+    """Set the ``seconds_per_iter`` of every row above the smallest T: per layer, (its time - its time in the
+    smallest-T run) / (the iterations it ran - the iterations it ran there, at least 1), summed over the layers run.
+    With a T=0 run the difference is the refinement (with the re-fit objective, its state build included); with a
+    smallest T > 0 it is the marginal cost of one more iteration. With a single row the start mask is included
+    (``per_iter_includes_start`` says so)."""
+    base_row = min(rows, key=lambda r: r["iters"]) if len(rows) > 1 else None
+    base = {layer["name"]: layer for layer in base_row["layers"]} if base_row else {}
     for row in rows:
-        if row["iters"] == 0:
+        if row["iters"] == 0 or (base_row is not None and row["iters"] <= base_row["iters"]):
             continue
         total = 0.0
         for layer in row["layers"]:
-            refine = layer["seconds"] - base.get(layer["name"], 0.0)
-            total += max(0.0, refine) / max(1, layer["iters"])
+            ref = base.get(layer["name"], {"seconds": 0.0, "iters": 0})
+            refine = layer["seconds"] - ref["seconds"]
+            total += max(0.0, refine) / max(1, layer["iters"] - ref["iters"])
         row["seconds_per_iter"] = total
         row["per_iter_includes_start"] = base_row is None
+        row["per_iter_base"] = base_row["iters"] if base_row else None
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -558,6 +563,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--dtype", default="auto", help="weights dtype (auto: bfloat16 on cuda, float32 on cpu)")
     parser.add_argument("--start", default="wanda", choices=SCORES, help="start mask scores (default wanda)")
     parser.add_argument("--sparsity", type=float, default=0.6)
+    parser.add_argument("--objective", choices=("mask", "refit"), default="mask", help="SparseSwaps objective")
     parser.add_argument("--nm", default=None, help="N:M pattern such as 2:4 (instead of --sparsity)")
     parser.add_argument("--batch-size", type=int, default=1, help="calibration windows per block forward")
     parser.add_argument("--seed", type=int, default=0)
@@ -595,7 +601,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     )
     print(
         f"calibration: {nsamples} x {seqlen} {args.calib} tokens (seed {args.seed}), batch {args.batch_size}; "
-        f"{args.start} start, {args.nm or f'{sparsity:.0%} per row'}, search backend {backend}"
+        f"{args.start} start, {args.nm or f'{sparsity:.0%} per row'}, {args.objective} objective, "
+        f"search backend {backend}"
     )
     if n_blocks < full_blocks:
         print(
@@ -614,7 +621,11 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     for i, iters in enumerate(args.iters):
         if i:
             restore_blocks(model, snapshot)
-        spec = build_spec(start=args.start, sparsity=sparsity, nm=nm, max_iters=iters, weights="keep")
+        # the re-fit objective yields its re-fitted weights itself (weights="ls"; no held-out windows: unguarded)
+        weights = {"weights": "ls", "guard": False} if args.objective == "refit" else {"weights": "keep"}
+        spec = build_spec(
+            start=args.start, sparsity=sparsity, nm=nm, max_iters=iters, objective=args.objective, **weights
+        )
         options = PruneOptions(spec=spec)
         rows.append(run_once(model, tokens, options, device, args.batch_size, full_blocks))
     add_per_iteration(rows)
@@ -636,6 +647,11 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         notes.append(f"* extrapolated from {n_blocks} of {full_blocks} blocks")
     if any(r.get("per_iter_includes_start") for r in rows):
         notes.append("s/iter includes the start mask (no T=0 run to subtract)")
+    elif rows and min(r["iters"] for r in rows) > 0:
+        notes.append(
+            f"s/iter: per layer (time - its T={min(r['iters'] for r in rows)} time) / extra iterations run, "
+            "summed over layers (the marginal cost of an iteration)"
+        )
     else:
         notes.append("s/iter: per layer (time - its T=0 time) / iterations run, summed over layers")
     print("; ".join(n for n in notes if n))
@@ -655,6 +671,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             "seqlen": seqlen,
             "calib": args.calib,
             "start": args.start,
+            "objective": args.objective,
             "sparsity": sparsity,
             "nm": list(nm) if nm else None,
             "backend": backend,

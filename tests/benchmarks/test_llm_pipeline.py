@@ -79,3 +79,24 @@ def test_counts_masked_weights_left_behind_by_module_to(bench):
     layer.to("meta")  # as blocks[i].to("cpu") after a GPU block: weight_orig/weight_mask move, weight does not
     assert layer.weight_orig.device.type == "meta" and layer.weight.device.type == "cpu"
     assert bench._stale_device_bytes(layer) == 4 * 8 * 4
+
+
+def test_marginal_iteration_cost_from_the_smallest_t(bench):
+    """Without a T=0 run the figure is per layer (time - its smallest-T time) / extra iterations, summed."""
+
+    def row(iters, layers):
+        return {"iters": iters, "layers": [{"name": n, "seconds": s, "iters": i} for n, s, i in layers]}
+
+    rows = [row(1, [("a", 3.0, 1), ("b", 2.0, 1)]), row(9, [("a", 7.0, 9), ("b", 2.5, 3)])]
+    bench.add_per_iteration(rows)
+    assert "seconds_per_iter" not in rows[0]
+    assert rows[1]["seconds_per_iter"] == pytest.approx(4.0 / 8 + 0.5 / 2)
+    assert rows[1]["per_iter_base"] == 1 and rows[1]["per_iter_includes_start"] is False
+
+
+def test_refit_objective_run_keeps_its_refitted_weights(bench, capsys):
+    rows = bench.main(
+        ["--model", "tiny", "--iters", "0", "2", "--nsamples", "2", "--seqlen", "16", "--objective", "refit"]
+    )
+    assert "refit objective" in capsys.readouterr().out
+    assert rows[1]["n_swaps"] > 0 and rows[1]["seconds_per_iter"] >= 0
