@@ -64,7 +64,7 @@ def job_config(args: argparse.Namespace) -> JobConfig:
 
 _JOB_FIELDS = (
     "model", "gguf_file", "calib", "nsamples", "seqlen", "holdout", "eval", "eval_windows", "device", "dtype", "seed",
-    "batch_size",
+    "batch_size", "blockwise",
 )  # fmt: skip
 
 
@@ -72,7 +72,7 @@ def _prune(args: argparse.Namespace) -> int:
     from sparseswaps_prune.llm.job import run_job, summary
 
     config = job_config(args)
-    if args.eval == "none":
+    if args.eval == "none" or (args.blockwise and args.eval is None):  # block-wise runs do not evaluate
         config.eval = None
     config.eval_warmstart = not args.no_eval_warmstart
     report = run_job(config, args.out, progress=not (args.quiet or args.json_log))
@@ -229,6 +229,13 @@ def _add_prune_options(p: argparse.ArgumentParser) -> None:
     run.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], help="model dtype (default float32)")
     run.add_argument("--seed", type=int, help="calibration sampling seed (default 0)")
     run.add_argument("--batch-size", type=int, help="windows per forward (default 4)")
+    run.add_argument(
+        "--blockwise",
+        action="store_true",
+        default=None,
+        help="read, prune and write one decoder block at a time from a local safetensors --model (never the whole "
+        "model in memory; no evaluation, no resume)",
+    )
     run.add_argument("--out", required=True, help="output directory (resumes if it holds an unfinished run)")
     run.add_argument("--quiet", action="store_true", help="no progress bars, one summary line")
     run.add_argument("--json-log", action="store_true", help="JSON log lines on stderr, JSON summary on stdout")

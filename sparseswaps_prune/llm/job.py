@@ -57,6 +57,12 @@ class JobConfig:
         eval_warmstart: also measure the perplexity of the warmstart masks (same run, same Grams).
         device: compute device; dtype: model weights dtype; seed: calibration sampling seed.
         batch_size: windows per forward.
+        blockwise: prune the checkpoint block by block (:func:`~sparseswaps_prune.llm.streaming.prune_checkpoint`):
+            ``model`` must be a local directory of safetensors weights (written by ``save_pretrained``); the model
+            is never in memory as a whole, so ``eval`` must be None (evaluate the saved model with
+            ``sparseswaps eval``), and an interrupted run starts over (no per-block checkpoint). The saved
+            tensors are those of the in-memory path, bit for bit; ``report.json`` adds ``memory`` (peak host
+            memory, bytes written, time per block).
     """
 
     model: str | None = None
@@ -73,6 +79,7 @@ class JobConfig:
     dtype: str = "float32"
     seed: int = 0
     batch_size: int = 4
+    blockwise: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict (``from_dict`` inverts it)."""
@@ -102,8 +109,9 @@ class JobConfig:
             raise ValueError(f"seqlen must be at least 2 to evaluate perplexity, got {self.seqlen}; or set eval=None")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise TypeError(f"seed must be an int, got {self.seed!r}")
-        if not isinstance(self.eval_warmstart, bool):
-            raise TypeError(f"eval_warmstart must be a bool, got {self.eval_warmstart!r}")
+        for name in ("eval_warmstart", "blockwise"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("model", "gguf_file", "calib", "eval"):
             value = getattr(self, name)
             if not (value is None and name != "calib") and not isinstance(value, str):
@@ -112,6 +120,21 @@ class JobConfig:
         check_source(self.calib, "calibration")
         if self.eval is not None:
             check_source(self.eval, "evaluation")
+        if self.blockwise:
+            self._check_blockwise()
+
+    def _check_blockwise(self) -> None:
+        if self.model is None or self.gguf_file is not None or not os.path.isdir(os.path.expanduser(self.model)):
+            raise ValueError(
+                f"blockwise=True (--blockwise) reads one block at a time from a local directory of safetensors "
+                f"weights, got model={self.model!r}, gguf_file={self.gguf_file!r}; save the model with "
+                "save_pretrained (GGUF files and hub names are not read block by block) or drop --blockwise"
+            )
+        if self.eval is not None:
+            raise ValueError(
+                f"blockwise=True (--blockwise) does not evaluate perplexity (that needs the whole model), got "
+                f"eval={self.eval!r}; set eval=None (--eval none) and run `sparseswaps eval` on the saved model"
+            )
 
 
 def check_out_dir(out: Path) -> None:
@@ -137,8 +160,9 @@ def check_out_dir(out: Path) -> None:
     os.unlink(probe)
 
 
-def _check_context(model: torch.nn.Module, seqlen: int) -> None:
-    limit = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
+def _check_context(model_config: Any, seqlen: int) -> None:
+    """Raise ``ValueError`` if ``seqlen`` exceeds the context length in the model's ``config``."""
+    limit = getattr(model_config, "max_position_embeddings", None) or getattr(model_config, "n_positions", None)
     if limit is not None and seqlen > limit:
         raise ValueError(f"seqlen={seqlen} exceeds the model's context of {limit} tokens; use --seqlen {limit} or less")
 
@@ -169,8 +193,10 @@ def run_job(config: JobConfig, out_dir: str | os.PathLike[str], *, progress: boo
         return done
     check_out_dir(out)
     start = time.perf_counter()
+    if config.blockwise:
+        return _run_blockwise(config, out, start, progress)
     model, tokenizer = load_model(config.model, gguf_file=config.gguf_file, dtype=getattr(torch, config.dtype))
-    _check_context(model, config.seqlen)
+    _check_context(model.config, config.seqlen)
     check_layers(model, config.prune)
     windows = load_calibration(
         config.calib, tokenizer, config.nsamples, config.seqlen, seed=config.seed, holdout=config.holdout
@@ -235,7 +261,14 @@ def run_job(config: JobConfig, out_dir: str | os.PathLike[str], *, progress: boo
         "perplexity": {"dense": dense, "warmstart": warm, "refined": refined},
         "seconds": {"prune": result.seconds, "wall": time.perf_counter() - start},
     }
-    _save_outputs(model, tokenizer, config, result.layers, report, out)
+
+    def write_model(staging: Path) -> list[LayerReport]:
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        return result.layers
+
+    _, publish = _save_outputs(write_model, config, out)
+    publish(report)
     _remove_leftovers(out)
     return report
 
@@ -264,27 +297,90 @@ def _dense_perplexity(path: Path, key: dict[str, Any], ppl: Callable[[], float |
     return dense
 
 
-def _save_outputs(model, tokenizer, config: JobConfig, layers: list[LayerReport], report: dict, out: Path) -> None:
-    """Write everything into a staging directory, then move it into ``out``; ``report.json`` last."""
+def _stage(out: Path) -> Path:
+    """A fresh, empty staging directory inside ``out`` (what an earlier interrupted save left there is removed)."""
     staging = out / STAGING_DIR
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
+    return staging
+
+
+def _save_outputs(
+    write_model: Callable[[Path], list[LayerReport]], config: JobConfig, out: Path
+) -> tuple[list[LayerReport], Callable[[dict[str, Any]], None]]:
+    """Write the model (``write_model(staging)`` writes its files and returns the layer reports), the job config
+    and the per-layer CSV and plot into a staging directory; return the reports and ``publish(report)``, which
+    moves the staged files into ``out`` and writes ``report.json`` last. A failure before ``publish`` removes the
+    staging directory (e.g. a full disk: the space the partial copy takes is freed) and leaves ``out`` as it was."""
+    staging = _stage(out)
     try:
-        model.save_pretrained(staging)
-        tokenizer.save_pretrained(staging)
+        layers = write_model(staging)
         save_json(config.to_dict(), staging / "config_sparseswaps.json")
         write_csv(layers, staging / "report.csv")
         plot_stages(layers, staging / "report.png", title=config.prune.spec.describe())
-    except BaseException:  # e.g. a full disk: free the space the partial copy takes (the checkpoint stays)
+    except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    for item in sorted(staging.iterdir()):
-        target = out / item.name
-        if target.is_dir():
-            shutil.rmtree(target)
-        os.replace(item, target)
-    staging.rmdir()
-    save_json(report, out / "report.json")
+
+    def publish(report: dict[str, Any]) -> None:
+        for item in sorted(staging.iterdir()):
+            target = out / item.name
+            if target.is_dir():
+                shutil.rmtree(target)
+            os.replace(item, target)
+        staging.rmdir()
+        save_json(report, out / "report.json")
+
+    return layers, publish
+
+
+def _run_blockwise(config: JobConfig, out: Path, start: float, progress: bool) -> dict[str, Any]:
+    """The block-wise job: tokenizer and config only, calibration windows, then
+    :func:`~sparseswaps_prune.llm.streaming.prune_checkpoint` straight into the staging directory."""
+    from transformers import AutoConfig
+
+    from sparseswaps_prune.llm.data import load_calibration
+    from sparseswaps_prune.llm.models import load_tokenizer
+    from sparseswaps_prune.llm.streaming import prune_checkpoint
+
+    source = os.path.expanduser(config.model)
+    _check_context(AutoConfig.from_pretrained(source), config.seqlen)
+    tokenizer = load_tokenizer(source, None)
+    windows = load_calibration(
+        config.calib, tokenizer, config.nsamples, config.seqlen, seed=config.seed, holdout=config.holdout
+    )
+    calib, holdout = windows[: config.nsamples], windows[config.nsamples :] if config.holdout else None
+    streamed = {}
+
+    def write_model(staging: Path) -> list[LayerReport]:
+        result = prune_checkpoint(
+            source,
+            staging,
+            calib,
+            config.prune,
+            dtype=getattr(torch, config.dtype),
+            device=config.device,
+            batch_size=config.batch_size,
+            holdout_tokens=holdout,
+            progress=progress,
+        )
+        streamed["result"] = result
+        return result.layers
+
+    layers, publish = _save_outputs(write_model, config, out)
+    result = streamed["result"]
+    report = {
+        "config": config.to_dict(),
+        "model": config.model,
+        "layers": layer_rows(layers),
+        "totals": totals(layers),
+        "perplexity": {"dense": None, "warmstart": None, "refined": None},
+        "seconds": {"prune": result.seconds, "wall": time.perf_counter() - start},
+        "memory": result.report,
+    }
+    publish(report)
+    _remove_leftovers(out)
+    return report
 
 
 def summary(report: dict[str, Any]) -> str:

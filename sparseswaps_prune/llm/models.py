@@ -175,7 +175,7 @@ def _resolve_source(name_or_path: str | None, gguf_file: str | None) -> tuple[st
     return name_or_path, gguf_file
 
 
-def _load_tokenizer(source: str, gguf_file: str | None) -> PreTrainedTokenizerBase:
+def load_tokenizer(source: str, gguf_file: str | None) -> PreTrainedTokenizerBase:
     """Load a tokenizer with ``AutoTokenizer`` and give it a pad token (its eos) if it has none.
 
     Args:
@@ -238,7 +238,7 @@ def load_model(
         kwargs["quantization_config"] = GgufConfig(dequantize=True)
     logger.info("Loading model from %s%s with dtype %s", source, f" (GGUF {gguf})" if gguf else "", dtype)
     model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
-    tokenizer = _load_tokenizer(source, gguf)
+    tokenizer = load_tokenizer(source, gguf)
     model.to(device)
     model.eval()
     model.config.use_cache = False
@@ -256,7 +256,7 @@ def default_tokenizer() -> PreTrainedTokenizerBase:
         The tokenizer (pad token ``<|im_end|>``, id 2; bos ``<|im_start|>``, id 1).
     """
     path = default_gguf_path()
-    return _load_tokenizer(os.path.dirname(path), os.path.basename(path))
+    return load_tokenizer(os.path.dirname(path), os.path.basename(path))
 
 
 def tiny_config(arch: str, **overrides: Any) -> PretrainedConfig:
