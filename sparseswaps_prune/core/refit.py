@@ -123,14 +123,22 @@ def refit_weights(
     if solver == "cg":
         return _refit_cg(weight, gram64, keep_mask.to(weight.device), target, lam, max_steps, tol).to(weight.dtype)
     out = torch.zeros_like(weight)
-    k_max = int(keep_mask.sum(dim=1).max()) if d_out else 0
-    if k_max == 0:
-        return out
-    row_batch = row_batch or max(1, SYSTEM_ELEMENTS // (k_max * k_max))
-    for r0 in range(0, d_out, row_batch):
-        rows = slice(r0, min(d_out, r0 + row_batch))
-        keep = keep_mask[rows].to(weight.device)
-        order, valid, factor = factor_kept(gram64, keep, lam, k_max, row_offset=r0)
+    keep_mask = keep_mask.to(weight.device)
+    counts = keep_mask.sum(dim=1)
+    # Rows in descending order of their kept counts (stable: equal counts keep their order), batched so that each
+    # batch is padded only to its own largest count: with per-layer masks a few rows keep far more inputs than
+    # the rest, and padding every row to the layer's largest count costs up to (k_max / k)^3 more.
+    by_count = torch.sort(counts, descending=True, stable=True).indices
+    start = 0
+    while start < d_out:
+        k_batch = int(counts[by_count[start]])
+        if k_batch == 0:
+            break  # the remaining rows keep nothing: their weights stay zero
+        batch = row_batch or max(1, SYSTEM_ELEMENTS // (k_batch * k_batch))
+        rows = by_count[start : start + batch]
+        start += rows.numel()
+        keep = keep_mask[rows]
+        order, valid, factor = factor_kept(gram64, keep, lam, k_batch, row_offset=rows)
         rhs = torch.where(valid, target[rows].gather(1, order), 0.0)  # spare slots: identity system, zero target
         # two triangular solves: ~10x faster than batched cholesky_solve with one right-hand side on CPU
         half = torch.linalg.solve_triangular(factor, rhs[:, :, None], upper=False)

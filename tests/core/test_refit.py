@@ -93,3 +93,22 @@ def test_factor_kept_names_singular_rows_by_layer_index():
         factor_kept(gram, keep[1:2], 0.0, 2, row_offset=torch.tensor([7]))
     with pytest.raises(ValueError, match=r"singular for rows \[1, 3\].*damp > 0"):
         refit_weights(weight, gram, keep, damp=0.0)
+
+
+def test_unequal_counts_are_batched_by_count():
+    """Rows keeping very different counts (per-layer masks), one keeping nothing: each batch is padded only to its own
+    largest count, and every row equals its own solve (row_batch=1) and least squares on its kept set."""
+    gen = torch.Generator().manual_seed(3)
+    d_in = 24
+    x = torch.randn(80, d_in, generator=gen, dtype=torch.float64)
+    gram = x.T @ x
+    weight = torch.randn(7, d_in, generator=gen, dtype=torch.float64)
+    keep = torch.zeros(7, d_in, dtype=torch.bool)
+    for row, count in enumerate([1, 23, 5, 0, 12, 23, 2]):
+        keep[row, torch.randperm(d_in, generator=gen)[:count]] = True
+    batched = refit_weights(weight, gram, keep, damp=1e-3, row_batch=3)
+    for row in range(7):
+        alone = refit_weights(weight[row : row + 1], gram, keep[row : row + 1], damp=1e-3)
+        assert torch.allclose(batched[row], alone[0], rtol=1e-10, atol=1e-12), row
+    assert torch.allclose(refit_weights(weight, gram, keep, damp=1e-3), batched, rtol=1e-10, atol=1e-12)
+    assert not bool(batched[3].any()) and not bool(batched[~keep].any())
