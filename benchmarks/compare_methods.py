@@ -94,6 +94,7 @@ _OPTION_TYPES: dict[str, Callable[[str], Any]] = {
     "backend": str,
     "weights": str,
     "damp": float,
+    "ridge": str,
     "guard": lambda v: {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}[v.lower()],
     "dsnot_skip": lambda v: None if v.lower() == "none" else v,
 }

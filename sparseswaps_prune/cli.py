@@ -56,6 +56,7 @@ def job_config(args: argparse.Namespace) -> JobConfig:
         sparsity=args.sparsity, nm=args.nm, scope=args.scope, start=args.start, start_damp=args.start_damp,
         refine=args.refine, max_iters=args.max_iters, eps=args.eps, objective=args.objective,
         search_dtype=args.search_dtype, backend=args.backend, weights=args.weights, damp=args.damp, guard=args.guard,
+        ridge=args.ridge,
     )  # fmt: skip
     options = PruneOptions(spec=spec, include=args.include, exclude=args.exclude, gram_dtype=args.gram_dtype)
     given = {name: getattr(args, name) for name in _JOB_FIELDS if getattr(args, name) is not None}
@@ -195,7 +196,14 @@ def _add_prune_options(p: argparse.ArgumentParser) -> None:
     weights.add_argument(
         "--damp",
         type=float,
-        help="relative ridge of the weight update (defaults: 1e-3 for ls/cg, 0.01 for obs/alps, 0.1 for admm)",
+        help="relative ridge of the weight update (defaults: 1e-3 for ls/cg, 0.1 for ls/cg with --ridge diag, 0.01 "
+        "for obs/alps, 0.1 for admm)",
+    )
+    weights.add_argument(
+        "--ridge",
+        choices=("mean", "diag"),
+        help="ls/cg: mean = ridge damp*mean(diag G) towards zero; diag = least squares on G + damp*diag(G), "
+        f"towards the dense weights (the problem ADMM's update solves) (default {spec.weights.ridge})",
     )
     weights.add_argument(
         "--guard",

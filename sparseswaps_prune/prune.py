@@ -40,7 +40,8 @@ class SparseSwapsMethod(prune.BasePruningMethod):
             :data:`~sparseswaps_prune.core.spec.DEFAULT_SPEC`: Wanda, SparseSwaps T=25, least-squares re-fit).
         **options: flat options changing ``spec`` (:func:`~sparseswaps_prune.core.spec.build_spec`): ``nm``,
             ``scope``, ``start``, ``refine``, ``max_iters``, ``eps``, ``objective``, ``search_dtype``, ``backend``,
-            ``weights`` (``"keep"`` for the paper's mask-only SparseSwaps), ``damp``, ``guard``, ``start_damp``.
+            ``weights`` (``"keep"`` for the paper's mask-only SparseSwaps), ``damp``, ``guard``, ``ridge``,
+            ``start_damp``.
 
     After ``compute_mask``, ``self.results`` holds each tensor's
     :class:`~sparseswaps_prune.core.layer.LayerOutcome` (masks, weights, every stage's per-row loss).

@@ -19,17 +19,25 @@ SYSTEM_ELEMENTS = 1 << 25
 # mean(diag G), so lambda = 0.01 * mean(diag G) already shrinks the re-fit hard: on SmolLM2's layers 1e-2 gives
 # about 1.5x the held-out loss of 1e-3 to 1e-5 (RESULTS.md, benchmarks/layer_study.py).
 REFIT_DAMP = 1e-3
+# The two ridges of the re-fit (see refit_weights): "mean" is ours, "diag" the problem ADMM's and ALPS's weight
+# updates solve on a fixed mask (their Gram normalised by sqrt(diag G), ridge damp * its unit mean diagonal).
+RIDGES = ("mean", "diag")
+# Default relative ridge per kind: "diag" takes ADMM's percdamp (Boza 2024), the stronger of the two originals'.
+RIDGE_DAMPS = {"mean": REFIT_DAMP, "diag": 0.1}
 
 
-def damping(gram64: torch.Tensor, damp: float) -> float:
-    """Absolute damping ``lambda = damp * mean(diag G)`` of the relative ``damp`` (``gram64``: ``[d, d]``)."""
+def damping(gram64: torch.Tensor, damp: float, ridge: str = "mean") -> float | torch.Tensor:
+    """Absolute damping of the relative ``damp`` (``gram64``: ``[d, d]``): ``ridge="mean"``: the float
+    ``lambda = damp * mean(diag G)``; ``ridge="diag"``: ``[d]`` float64 ``lambda_j = damp * G_jj``."""
+    if ridge == "diag":
+        return damp * torch.diagonal(gram64).clone()
     return damp * float(torch.diagonal(gram64).mean())
 
 
 def factor_kept(
     gram64: torch.Tensor,
     keep: torch.Tensor,
-    lam: float,
+    lam: float | torch.Tensor,
     n_slots: int,
     *,
     row_offset: int | torch.Tensor = 0,
@@ -38,7 +46,8 @@ def factor_kept(
 
     Args:
         gram64: ``[d, d]`` float64 Gram matrix; keep: ``[R, d]`` bool kept mask (neither modified).
-        lam: absolute damping ``lambda`` (:func:`damping`).
+        lam: absolute damping ``lambda`` (:func:`damping`): a float, or ``[d]`` float64 per input (the system is
+            then ``G_SS + diag(lambda_S)``).
         n_slots: slot count ``K >= max_i k_i``; rows keeping fewer inputs get an identity block in the spare slots.
         row_offset: layer index of row 0 (an int), or ``[R]`` int64 layer indices, for the error message.
 
@@ -55,7 +64,7 @@ def factor_kept(
     slots = torch.sort((~keep).to(torch.int8), dim=1, stable=True).indices[:, :n_slots]
     valid = torch.arange(n_slots, device=keep.device) < counts[:, None]
     system = gram64[slots[:, :, None], slots[:, None, :]]
-    system.diagonal(dim1=1, dim2=2).add_(lam)
+    system.diagonal(dim1=1, dim2=2).add_(lam[slots] if isinstance(lam, torch.Tensor) else lam)
     padded = counts < n_slots
     if bool(padded.any()):
         pair_valid = valid[padded, :, None] & valid[padded, None, :]
@@ -65,9 +74,10 @@ def factor_kept(
     if bool((info != 0).any()):
         bad = torch.nonzero(info).flatten()
         named = (row_offset[bad] if isinstance(row_offset, torch.Tensor) else bad + row_offset).tolist()[:5]
+        shown = f"{lam:.3g}" if not isinstance(lam, torch.Tensor) else f"damp * G_jj, min {float(lam.min()):.3g}"
         raise ValueError(
             f"G_SS + lambda I is singular for rows {named} (kept inputs with no calibration signal or collinear, "
-            f"lambda={lam:.3g}); use damp > 0"
+            f"lambda={shown}); use damp > 0"
         )
     return slots, valid, factor
 
@@ -77,7 +87,8 @@ def refit_weights(
     gram: torch.Tensor,
     keep_mask: torch.Tensor,
     *,
-    damp: float = REFIT_DAMP,
+    damp: float | None = None,
+    ridge: str = "mean",
     row_batch: int | None = None,
     solver: str = "direct",
     max_steps: int = 200,
@@ -85,9 +96,17 @@ def refit_weights(
 ) -> torch.Tensor:
     """Best weights on each row's kept set: ``argmin_v (w - v)^T G (w - v)`` with ``v`` zero off the mask.
 
-    Every row solves ``(G_SS + lambda I) v_S = (G w)_S`` with ``lambda = damp * mean(diag G)`` (the ridge
-    problem ``min (w - v)^T G (w - v) + lambda ||v||^2``), batched over rows; rows may keep different
-    counts (per-layer or SparseGPT masks). ``solver="direct"`` factorizes every ``G_SS`` in float64;
+    Two ridges, batched over rows; rows may keep different counts (per-layer or SparseGPT masks):
+
+    * ``ridge="mean"``: every row solves ``(G_SS + lambda I) v_S = (G w)_S`` with ``lambda = damp * mean(diag G)``
+      (the ridge problem ``min (w - v)^T G (w - v) + lambda ||v||^2``, shrinking towards zero);
+    * ``ridge="diag"``: ``(G_SS + D_S) v_S = ((G + D) w)_S`` with ``D = damp * diag(G)``, i.e. exact least
+      squares on the damped Gram, ``min (w - v)^T (G + D) (w - v)``, shrinking each kept weight towards its dense
+      value in proportion to its input's energy. This is the fixed-mask problem that ADMM's and ALPS's updates
+      iterate towards (their ridge on the Gram normalised by ``sqrt(diag G)``); ``admm_update`` with many
+      iterations converges to it.
+
+    ``solver="direct"`` factorizes every ``G_SS`` in float64;
     ``solver="cg"`` runs conjugate gradients in float64 until every row's residual norm is below ``tol``
     times its right-hand side's norm, or ``max_steps`` steps.
 
@@ -95,7 +114,9 @@ def refit_weights(
         weight: ``[d_out, d_in]`` float tensor (not modified).
         gram: ``[d_in, d_in]`` Gram matrix of the layer inputs (not modified).
         keep_mask: ``[d_out, d_in]`` bool, True = kept (not modified).
-        damp: relative dampening (0 allowed when every ``G_SS`` is positive definite).
+        damp: relative dampening (0 allowed when every ``G_SS`` is positive definite); default
+            ``RIDGE_DAMPS[ridge]`` (1e-3 for ``"mean"``, ADMM's 0.1 for ``"diag"``).
+        ridge: ``"mean"`` or ``"diag"`` (above).
         row_batch: rows solved together (default bounds the ``[rows, k, k]`` systems to ~256 MiB for
             ``"direct"``; all rows at once for ``"cg"``).
         solver: ``"direct"`` or ``"cg"``.
@@ -112,14 +133,19 @@ def refit_weights(
     d_out, d_in = weight.shape
     check_gram(gram, d_in)
     check_mask(keep_mask, weight)
+    if ridge not in RIDGES:
+        raise ValueError(f"ridge must be 'mean' or 'diag', got {ridge!r}")
+    damp = RIDGE_DAMPS[ridge] if damp is None else damp
     check_number(damp, "damp", low=0)
     if row_batch is not None:
         check_int(row_batch, "row_batch", low=1)
     if solver not in ("direct", "cg"):
         raise ValueError(f"solver must be 'direct' or 'cg', got {solver!r}")
     gram64 = gram.detach().to(device=weight.device, dtype=torch.float64)
-    lam = damping(gram64, damp)
+    lam = damping(gram64, damp, ridge)
     target = weight.detach().to(torch.float64) @ gram64  # (G w)_j for every row, G symmetric
+    if ridge == "diag":
+        target += lam * weight.detach().to(torch.float64)  # ((G + D) w)_j
     if solver == "cg":
         return _refit_cg(weight, gram64, keep_mask.to(weight.device), target, lam, max_steps, tol).to(weight.dtype)
     out = torch.zeros_like(weight)
@@ -156,12 +182,12 @@ def _refit_cg(
     gram64: torch.Tensor,
     keep: torch.Tensor,
     target: torch.Tensor,
-    lam: float,
+    lam: float | torch.Tensor,
     max_steps: int,
     tol: float,
 ) -> torch.Tensor:
-    """Batched Jacobi-preconditioned CG on ``(G_SS + lam I) v_S = target_S`` for every row; float64
-    ``[d_out, d_in]``, zero off ``keep``. Starts from the kept original weights."""
+    """Batched Jacobi-preconditioned CG on ``(G_SS + diag(lam)_S) v_S = target_S`` for every row (``lam`` a
+    float or ``[d_in]``); float64 ``[d_out, d_in]``, zero off ``keep``. Starts from the kept original weights."""
 
     def apply(v: torch.Tensor) -> torch.Tensor:  # (G_SS + lam I) v_S, zero off the mask
         return torch.where(keep, v @ gram64 + lam * v, 0.0)

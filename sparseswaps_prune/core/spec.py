@@ -32,7 +32,7 @@ from typing import Any, ClassVar
 
 from sparseswaps_prune.core import admm, alps
 from sparseswaps_prune.core.checks import check_budget, check_int, check_number
-from sparseswaps_prune.core.refit import REFIT_DAMP
+from sparseswaps_prune.core.refit import RIDGE_DAMPS, RIDGES
 from sparseswaps_prune.core.sparsegpt import SPARSEGPT_DAMP
 
 SCORES = ("magnitude", "wanda", "ria")
@@ -272,17 +272,25 @@ class LeastSquares:
     Attributes:
         solver: ``"direct"`` (per-row Cholesky of ``G_SS``) or ``"cg"`` (batched conjugate gradients sharing
             ``G``, for wide layers).
-        damp: relative ridge, ``lambda = damp * mean(diag G)`` (also the re-fit objective's).
+        damp: relative ridge (also the re-fit objective's); None: the ridge's default (``RIDGE_DAMPS``: 1e-3 for
+            ``"mean"``, 0.1 for ``"diag"``), stored resolved.
         guard: with held-out windows, a row keeps its re-fit only where it lowers that row's held-out loss.
+        ridge: ``"mean"``: ``lambda = damp * mean(diag G)``, shrinking towards zero; ``"diag"``: least squares on
+            ``G + damp * diag(G)``, shrinking towards the dense weights (the problem ADMM's update solves on a
+            fixed mask; ``core.refit.refit_weights``).
     """
 
     kind: ClassVar[str] = "least_squares"
     solver: str = "direct"
-    damp: float = REFIT_DAMP
+    damp: float | None = None
     guard: bool = True
+    ridge: str = "mean"
 
     def __post_init__(self) -> None:
         _choice(self.solver, "least-squares solver", ("direct", "cg"))
+        _choice(self.ridge, "least-squares ridge", RIDGES)
+        if self.damp is None:
+            object.__setattr__(self, "damp", RIDGE_DAMPS[self.ridge])
         check_number(self.damp, "damp", low=0)
         _check_guard(self.guard)
 
@@ -433,6 +441,7 @@ class PruneSpec:
                     f"yields those weights itself, so weights must be LeastSquares(solver='direct'), got {weights} "
                     "(CLI: --weights ls)"
                 )
+
         if isinstance(weights, StartWeights):
             if not isinstance(self.start, WEIGHT_STARTS):
                 raise ValueError(
@@ -515,6 +524,7 @@ def build_spec(
     weights: str | None = None,
     damp: float | None = None,
     guard: bool | None = None,
+    ridge: str | None = None,
 ) -> PruneSpec:
     """``base`` with the given flat options changed (None = as in ``base``): the option names the CLI, the prune
     method and the Lightning callback share.
@@ -527,7 +537,9 @@ def build_spec(
             ``search_dtype``, ``backend`` need ``"sparseswaps"``.
         weights: ``"keep"``, ``"ls"`` (direct least squares), ``"cg"`` (least squares by conjugate gradients),
             ``"obs"`` (SparseGPT's update), ``"admm"``, ``"alps"`` (their updates on the final mask) or ``"start"``
-            (the start's own weights); ``damp`` and ``guard`` need a weight update (``damp`` not with ``"start"``).
+            (the start's own weights); ``damp`` and ``guard`` need a weight update (``damp`` not with ``"start"``);
+            ``ridge`` (``"mean"`` or ``"diag"``, :class:`LeastSquares`) needs ``"ls"`` or ``"cg"``, and a new
+            ``ridge`` without ``damp`` takes that ridge's default damp.
 
     Raises:
         ValueError: an option that means nothing for the chosen stage (names it and the stage it needs), or any
@@ -603,4 +615,12 @@ def build_spec(
                 "them or choose a weight update"
             )
         weights_stage = dataclasses.replace(weights_stage, **update)
+    if ridge is not None:
+        if not isinstance(weights_stage, LeastSquares):
+            raise ValueError(
+                f"ridge is an option of weights='ls' or 'cg' (least squares), but weights={weights_stage.name!r}: "
+                "drop it or use weights='ls'"
+            )
+        if ridge != weights_stage.ridge:
+            weights_stage = dataclasses.replace(weights_stage, ridge=ridge, damp=damp)
     return PruneSpec(budget=budget, start=start_stage, refine=refine_stage, weights=weights_stage)

@@ -71,6 +71,23 @@ def test_refit_objective_yields_its_own_weights():
     assert torch.equal(out.keep_mask, searched.mask) and torch.equal(out.weight, searched.weight)
 
 
+@pytest.mark.parametrize("objective", ["mask", "refit"])
+def test_diag_ridge_weights_and_refit_objective(objective):
+    weight, acc, _ = problem(seed=5)
+    out = prune_layer(weight, acc.gram, build_spec(ridge="diag", objective=objective, max_iters=5))
+    damped = acc.gram + torch.diag(0.1 * torch.diagonal(acc.gram))
+    if objective == "refit":  # swaps judged after the diag-ridge re-fit: least squares on the damped Gram
+        searched = refine_mask(weight, damped, out.start_mask, max_iters=5, objective="refit", damp=0.0)
+        assert torch.equal(out.keep_mask, searched.mask) and torch.equal(out.weight, searched.weight)
+        assert out.n_swaps.sum() > 0
+    fitted = refit_weights(weight, acc.gram, out.keep_mask, ridge="diag")
+    assert torch.allclose(out.weight, fitted, rtol=1e-5, atol=1e-6)
+    # losses are reported on the calibration Gram itself, not the damped one
+    assert torch.equal(out.loss.start, row_losses(weight, acc.gram, out.start_mask))
+    assert torch.equal(out.loss.refined, row_losses(weight, acc.gram, out.keep_mask))
+    assert torch.equal(out.loss.final, weight_losses(weight, out.weight, acc.gram))
+
+
 def test_sparsegpt_as_published_and_obs_weights():
     weight, acc, _ = problem(seed=4)
     spec = build_spec(start="sparsegpt", scope="layer", refine="none", weights="obs")

@@ -4,6 +4,7 @@ import torch
 
 from sparseswaps_prune import refit_weights, row_losses, warmstart_mask
 from sparseswaps_prune.core import refit_swaps as rs
+from sparseswaps_prune.core.admm import admm_update
 from sparseswaps_prune.core.refit import damping, factor_kept
 from tests.core.reference import layer_problem
 
@@ -24,6 +25,29 @@ def test_refit_matches_direct_solve(scope):
         want = np.linalg.solve(g[np.ix_(s, s)], (g @ w[r])[s])
         np.testing.assert_allclose(out[r].numpy()[s], want, rtol=1e-8, atol=1e-10)
     assert not out[~keep].any()
+
+
+@pytest.mark.parametrize("scope", ["row", "layer"])
+def test_diag_ridge_is_least_squares_on_the_damped_gram(scope):
+    weight, gram = layer_problem(12, 24, seed=4)
+    keep = warmstart_mask(weight, "wanda", sparsity=0.5, gram=gram, scope=scope)
+    out = refit_weights(weight, gram, keep, ridge="diag", row_batch=5)  # default damp 0.1
+    damped = (gram + 0.1 * torch.diag(torch.diagonal(gram))).numpy()
+    w = weight.numpy()
+    for r in range(12):
+        s = keep[r].numpy()
+        want = np.linalg.solve(damped[np.ix_(s, s)], (damped @ w[r])[s])
+        np.testing.assert_allclose(out[r].numpy()[s], want, rtol=1e-8, atol=1e-10)
+    assert not out[~keep].any()
+    cg = refit_weights(weight, gram, keep, ridge="diag", solver="cg", tol=1e-12, max_steps=500)
+    assert torch.allclose(cg, out, rtol=1e-7, atol=1e-9)
+    # the fixed point of ADMM's update (Boza 2024) on the same mask: ridge 0.1 on the normalised Gram
+    admm = admm_update(weight, gram, keep, iters=300, dtype=torch.float64)
+    assert torch.allclose(admm, out, rtol=1e-6, atol=1e-7)
+    assert not torch.allclose(admm_update(weight, gram, keep, iters=3, dtype=torch.float64), out, atol=1e-4)
+    assert not torch.allclose(refit_weights(weight, gram, keep, ridge="mean", damp=0.1), out, atol=1e-4)
+    with pytest.raises(ValueError, match="ridge must be 'mean' or 'diag'"):
+        refit_weights(weight, gram, keep, ridge="l2")
 
 
 def test_refit_never_worse_than_mask_only_and_nm_zeros():

@@ -39,6 +39,7 @@ def test_default_spec():
         build_spec(refine="dsnot", weights="keep", scope="layer"),
         build_spec(refine="none", weights="cg", guard=False, damp=0.0),
         build_spec(objective="refit", max_iters=3, search_dtype="float64", backend="torch", eps=1e-6),
+        build_spec(ridge="diag", weights="cg"),
     ],
 )
 def test_json_round_trip(spec):
@@ -83,11 +84,24 @@ def test_build_spec_switches_stages_and_keeps_the_rest():
         ({"damp": -1e-3}, ValueError, "damp must be >= 0"),
         ({"guard": 1}, TypeError, "guard must be a bool"),
         ({"start": "sparsegpt", "nm": (2, 3)}, ValueError, "multiple of m=3"),
+        ({"ridge": "l2"}, ValueError, "ridge must be one of mean, diag"),
+        ({"weights": "obs", "ridge": "diag"}, ValueError, "ridge is an option of weights='ls' or 'cg'"),
+        ({"weights": "keep", "ridge": "mean"}, ValueError, "ridge is an option of weights='ls' or 'cg'"),
     ],
 )
 def test_meaningless_or_bad_options_are_refused(kwargs, error, match):
     with pytest.raises(error, match=match):
         build_spec(**kwargs)
+
+
+def test_ridge_takes_its_own_default_damp_unless_given():
+    assert DEFAULT_SPEC.weights.ridge == "mean" and DEFAULT_SPEC.weights.damp == 1e-3
+    diag = build_spec(ridge="diag").weights
+    assert diag == LeastSquares(ridge="diag", damp=0.1) and diag.guard
+    assert build_spec(ridge="diag", damp=0.05).weights.damp == 0.05
+    assert build_spec(damp=0.05, ridge="diag").weights.damp == 0.05
+    assert build_spec(build_spec(ridge="diag"), max_iters=3).weights.damp == 0.1  # kept when ridge is unchanged
+    assert build_spec(build_spec(ridge="diag"), ridge="mean").weights.damp == 1e-3
 
 
 def test_stages_are_type_checked():

@@ -47,6 +47,8 @@ def test_cli_and_python_defaults_build_the_same_job():
     assert SparseSwapsPruning().spec == DEFAULT_SPEC
     given = job_config(build_parser().parse_args(["prune", "--out", "x", "--weights", "keep", "--max-iters", "7"]))
     assert given.prune.spec == build_spec(weights="keep", max_iters=7)
+    ridge = job_config(build_parser().parse_args(["prune", "--out", "x", "--ridge", "diag"]))
+    assert ridge.prune.spec == build_spec(ridge="diag") and ridge.prune.spec.weights.damp == 0.1
 
 
 def test_cli_errors_are_one_line(tmp_path, capsys):
