@@ -100,13 +100,13 @@ def start_stage(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The start stage: ``[d_out, d_in]`` bool mask under ``spec.budget`` (True = kept), and the weights the start
     computed for it (``weight``'s dtype, zero off the mask) when ``spec.weights`` is
-    :class:`~sparseswaps_prune.core.spec.StartWeights`, else None.
+    :class:`~sparseswaps_prune.core.spec.StartWeights` or a guarded update (the guard's fallback), else None.
 
     With ``prior_mask`` (an already pruned tensor) every row prunes ``sparsity`` of its remaining weights by the
     start's scores, among the entries ``prior_mask`` keeps; ``weight`` must already be zero off it.
     """
     budget, start = spec.budget, spec.start
-    want_weights = isinstance(spec.weights, StartWeights)
+    want_weights = isinstance(spec.weights, StartWeights) or getattr(spec.weights, "guard", False)
     pattern = {"sparsity": budget.sparsity, "nm": budget.nm, "scope": budget.scope}
     if prior_mask is not None and not bool(prior_mask.all()):
         if budget.nm is not None or not isinstance(start, ScoreStart):
@@ -248,9 +248,8 @@ def _prune_layer(
         mask = mask & prior_mask
     seconds_mask = time.perf_counter() - started
 
-    final = _final_weights(
-        weight, gram, mask, spec, start_weight if start_weight is not None else searched_weight, device
-    )
+    published = isinstance(spec.weights, StartWeights)
+    final = _final_weights(weight, gram, mask, spec, start_weight if published else searched_weight, device)
     holdout, updated_rows = None, None if final is None else 1.0
     if holdout_gram is not None:
         held_refined = row_losses(weight, holdout_gram, mask)
@@ -258,9 +257,16 @@ def _prune_layer(
         if final is not None:
             held_final = weight_losses(weight, final, holdout_gram)
             if spec.weights.guard:
-                better = held_final < held_refined
-                final = torch.where(better[:, None], final, torch.where(mask, weight, 0.0))
-                held_final = torch.where(better, held_final, held_refined)
+                # a row rejecting the update keeps the start's weights where its mask is still the start's (ADMM,
+                # ALPS, SparseGPT compensate), else its original weights on the mask
+                fallback, held_fallback = torch.where(mask, weight, 0.0), held_refined
+                if start_weight is not None and not published:
+                    unchanged = (mask == start).all(dim=1)
+                    fallback[unchanged] = start_weight[unchanged].to(fallback.dtype)
+                    held_fallback = weight_losses(weight, fallback, holdout_gram)
+                better = held_final < held_fallback
+                final = torch.where(better[:, None], final, fallback)
+                held_final = torch.where(better, held_final, held_fallback)
                 updated_rows = float(better.double().mean())
         holdout = StageLosses(
             start=row_losses(weight, holdout_gram, start).cpu(), refined=held_refined.cpu(), final=held_final.cpu()

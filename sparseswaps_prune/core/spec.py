@@ -274,7 +274,9 @@ class LeastSquares:
             ``G``, for wide layers).
         damp: relative ridge (also the re-fit objective's); None: the ridge's default (``RIDGE_DAMPS``: 1e-3 for
             ``"mean"``, 0.1 for ``"diag"``), stored resolved.
-        guard: with held-out windows, a row keeps its re-fit only where it lowers that row's held-out loss.
+        guard: with held-out windows, a row keeps its re-fit only where it lowers that row's held-out loss against
+            its fallback: the start's own weights (SparseGPT, ADMM, ALPS) where the row's mask is still the
+            start's, else the original weights on the mask.
         ridge: ``"mean"``: ``lambda = damp * mean(diag G)``, shrinking towards zero; ``"diag"``: least squares on
             ``G + damp * diag(G)``, shrinking towards the dense weights (the problem ADMM's update solves on a
             fixed mask; ``core.refit.refit_weights``).

@@ -71,6 +71,29 @@ def test_refit_objective_yields_its_own_weights():
     assert torch.equal(out.keep_mask, searched.mask) and torch.equal(out.weight, searched.weight)
 
 
+def test_guard_falls_back_to_the_starts_weights_where_the_mask_is_the_starts():
+    weight, acc, held = problem(tokens=40, seed=1)
+    spec = build_spec(start="admm", refine="none", weights="ls")
+    admm = admm_prune(weight, acc.gram, sparsity=0.6, scope="row")
+    unguarded = prune_layer(weight, acc.gram, build_spec(spec, guard=False), holdout_gram=held)
+    out = prune_layer(weight, acc.gram, spec, holdout_gram=held)
+    assert torch.equal(out.keep_mask, admm.keep_mask)
+    better = weight_losses(weight, unguarded.weight, held) < weight_losses(weight, admm.weight, held)
+    assert 0 < int(better.sum()) < 12  # both branches
+    assert torch.equal(out.weight[better], unguarded.weight[better])
+    assert torch.equal(out.weight[~better], admm.weight[~better])
+    assert out.updated_rows == pytest.approx(float(better.double().mean()))
+    # with refinement, rejecting rows whose mask moved fall back to their original weights on the mask
+    swaps = build_spec(spec, refine="sparseswaps", max_iters=3)
+    guarded = prune_layer(weight, acc.gram, swaps, holdout_gram=held)
+    rejected = (guarded.weight != prune_layer(weight, acc.gram, build_spec(swaps, guard=False)).weight).any(dim=1)
+    moved = (guarded.keep_mask != guarded.start_mask).any(dim=1)
+    assert (moved & rejected).any() and (~moved & rejected).any()
+    masked = torch.where(guarded.keep_mask, weight, 0.0)
+    assert torch.equal(guarded.weight[moved & rejected], masked[moved & rejected])
+    assert torch.equal(guarded.weight[~moved & rejected], admm.weight[~moved & rejected])
+
+
 @pytest.mark.parametrize("objective", ["mask", "refit"])
 def test_diag_ridge_weights_and_refit_objective(objective):
     weight, acc, _ = problem(seed=5)
