@@ -176,6 +176,22 @@ class BlockInputs:
             rows = slice(i * self.batch_size, (i + 1) * self.batch_size)
             yield self.hidden_states[rows].to(device), _move(kwargs, device, {})
 
+    def select(self, batches: range) -> BlockInputs:
+        """The inputs of the contiguous ``batches`` only (e.g. one shard of windows): a view that shares the
+        hidden-state rows and the recorded kwargs with ``self`` (nothing is copied); ``self`` itself when
+        ``batches`` are all of them.
+
+        Raises:
+            ValueError: ``batches`` is empty, has a step other than 1 or is outside ``range(num_batches)``.
+        """
+        if batches.step != 1 or len(batches) == 0 or batches.start < 0 or batches.stop > self.num_batches:
+            raise ValueError(f"batches={batches} is not a non-empty contiguous part of range({self.num_batches})")
+        if len(batches) == self.num_batches:
+            return self
+        rows = slice(batches.start * self.batch_size, batches.stop * self.batch_size)
+        kwargs = self.block_kwargs[batches.start : batches.stop]
+        return BlockInputs(self.hidden_states[rows], self.batch_size, kwargs, self.block_index)
+
     def feed_block(self, block: nn.Module, device: torch.device | str) -> None:
         """Run ``block`` on every batch under ``torch.no_grad()`` and discard the outputs.
 

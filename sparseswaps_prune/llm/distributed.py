@@ -1,15 +1,26 @@
-"""Dividing the layers of a decoder block across ``torch.distributed`` ranks.
+"""Dividing the work of a decoder block across ``torch.distributed`` ranks: its layers, and its calibration windows.
 
-Every rank runs the same block-wise pipeline on the same model and the same calibration data: each computes
-the block's Grams and next inputs itself (so they are bit for bit those of a single process), prunes only the
-layers assigned to it, and then receives the others' results by broadcast, in layer order, so that every rank
-holds identical weights after each block. The per-layer results do not depend on one another within a block
-(every Gram is accumulated on the dense block before any layer is masked), so the outcome equals the
-single-process one bit for bit, provided each rank's arithmetic is that of the single process (same device
-type, same number of CPU threads).
+**Layers.** Every rank runs the same block-wise pipeline on the same model: each prunes only the layers assigned to
+it (:func:`assign_layers`), and then receives the others' results by broadcast, in layer order, so that every rank
+holds identical weights after each block. The per-layer results do not depend on one another within a block (every
+Gram is accumulated on the dense block before any layer is masked).
 
-Works with any backend that supports ``broadcast_object_list`` (``gloo`` on the CPU, ``nccl`` on GPUs, where
-the current CUDA device must be set per rank). Calibration windows are not split across ranks.
+**Calibration windows** (``PruneOptions.calib_shards``, :class:`WindowShards`). The calibration windows, and the
+held-out windows apart, are split into ``calib_shards`` contiguous shards of whole batches. Each shard's partial
+Grams are accumulated on their own, and a block's Gram is the sum of the partials in shard order,
+``((P_0 + P_1) + P_2) + ...`` (:func:`sum_shard_grams`). With ranks, each rank owns a contiguous run of whole shards:
+it captures and forwards only its own windows (and passes only their outputs on to the next block), and the partials
+are combined in shard order on every rank by a sequential loop of broadcasts from each shard's owner (one received
+Gram at a time). With the default ``calib_shards=1`` nothing is split: every rank captures and forwards every window
+and computes the Grams itself, exactly as one process does.
+
+Float sums depend on their order, so the order is fixed by ``calib_shards`` and not by the number of ranks: one
+process with ``S`` shards and ``W`` ranks with the same ``S`` shards give the same Grams, masks, weights and reports
+bit for bit, provided each rank's arithmetic is that of the single process (same device type, same number of CPU
+threads). A different ``S`` sums in another order, so its results differ from ``S=1`` in the last bits.
+
+Works with any backend that supports ``broadcast`` and ``broadcast_object_list`` (``gloo`` on the CPU, ``nccl`` on
+GPUs, where the current CUDA device must be set per rank and the compute device must be that GPU).
 """
 
 from __future__ import annotations
@@ -18,11 +29,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
+from sparseswaps_prune.core.gram import GramAccumulator
 from sparseswaps_prune.modules import PrunableLayer
 
-__all__ = ["Ranks", "assign_layers"]
+__all__ = ["Ranks", "WindowShards", "assign_layers", "sum_shard_grams"]
 
 
 def assign_layers(layers: Sequence[PrunableLayer], world_size: int) -> list[int]:
@@ -87,7 +100,160 @@ class Ranks:
         dist.broadcast_object_list(box, src=root, group=self.group)
         return box[0]
 
+    def broadcast_tensor(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
+        """Overwrite ``tensor`` (contiguous, same shape, dtype and device type on every rank) in place with rank
+        ``src``'s bits; returns it."""
+        if self.world_size > 1:
+            root = src if self.group is None else dist.get_global_rank(self.group, src)
+            dist.broadcast(tensor, src=root, group=self.group)
+        return tensor
+
     def barrier(self) -> None:
         """Wait until every rank gets here."""
         if self.world_size > 1:
             dist.barrier(group=self.group)
+
+
+@dataclass(frozen=True)
+class WindowShards:
+    """The split of ``n_windows`` windows (batches of ``batch_size``) into ``n_shards`` contiguous shards of whole
+    batches, and of the shards among ``world_size`` ranks; every rank computes the same split.
+
+    Shard ``s`` is batches ``starts[s]:starts[s + 1]`` with ``starts[s] = s * num_batches // n_shards`` (as equal as
+    whole batches allow; only the last batch may be short, as without shards). With one shard every rank holds it
+    (nothing is split); with more, shard ``s`` belongs to rank ``s * world_size // n_shards``, so each rank owns a
+    contiguous run of at least one shard.
+
+    Attributes:
+        n_windows, batch_size: the windows and the batch size they are forwarded in.
+        n_shards: ``PruneOptions.calib_shards``.
+        world_size, rank: this process's place (1 and 0 without ranks).
+        what: the windows' name in error messages (``"calibration"``, ``"held-out"``).
+
+    Raises:
+        ValueError: ``n_shards`` is not a positive int, there are fewer batches than shards, or more than one shard
+            but fewer shards than ranks; the message names ``calib_shards`` and the fix.
+    """
+
+    n_windows: int
+    batch_size: int
+    n_shards: int = 1
+    world_size: int = 1
+    rank: int = 0
+    what: str = "calibration"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.n_shards, bool) or not isinstance(self.n_shards, int) or self.n_shards < 1:
+            raise ValueError(f"calib_shards must be a positive int, got {self.n_shards!r}")
+        if self.num_batches < self.n_shards:
+            raise ValueError(
+                f"calib_shards={self.n_shards} splits the {self.what} windows into shards of whole batches, but "
+                f"{self.n_windows} windows in batches of {self.batch_size} make only {self.num_batches} batches; use "
+                f"calib_shards <= {self.num_batches}, more {self.what} windows or a smaller batch size"
+            )
+        if 1 < self.n_shards < self.world_size:
+            raise ValueError(
+                f"calib_shards={self.n_shards} is fewer than the {self.world_size} ranks, and every rank must own a "
+                f"whole shard; use calib_shards >= {self.world_size} (ideally a multiple of it), or calib_shards=1 "
+                "(every rank forwards every window)"
+            )
+
+    @property
+    def num_batches(self) -> int:
+        """Batches of all shards together, ``ceil(n_windows / batch_size)``."""
+        return -(-self.n_windows // self.batch_size)
+
+    @property
+    def starts(self) -> list[int]:
+        """``n_shards + 1`` batch indices: shard ``s`` is batches ``starts[s]:starts[s + 1]``."""
+        return [s * self.num_batches // self.n_shards for s in range(self.n_shards + 1)]
+
+    @property
+    def owners(self) -> list[int | None]:
+        """The rank that owns each shard (None: one shard, held by every rank)."""
+        if self.n_shards == 1:
+            return [None]
+        return [s * self.world_size // self.n_shards for s in range(self.n_shards)]
+
+    @property
+    def own(self) -> list[int]:
+        """The shards this rank holds, in order (contiguous)."""
+        return [s for s, owner in enumerate(self.owners) if owner is None or owner == self.rank]
+
+    @property
+    def rows(self) -> slice:
+        """The windows (rows of ``[n_windows, seqlen]``) this rank holds."""
+        own, starts = self.own, self.starts
+        return slice(starts[own[0]] * self.batch_size, min(starts[own[-1] + 1] * self.batch_size, self.n_windows))
+
+    def local_batches(self, shard: int) -> range:
+        """The batches of ``shard`` (one this rank owns) among this rank's own batches."""
+        starts, first = self.starts, self.starts[self.own[0]]
+        return range(starts[shard] - first, starts[shard + 1] - first)
+
+
+def sum_shard_grams(
+    partials: dict[int, dict[str, GramAccumulator]],
+    shards: WindowShards,
+    ranks: Ranks | None,
+    device: torch.device,
+) -> dict[str, GramAccumulator]:
+    """The sum of every shard's partial Grams in shard order, ``((P_0 + P_1) + P_2) + ...``: the same bits on every
+    rank and with any number of ranks.
+
+    With ranks and more than one shard, the shards are taken in order and each is broadcast from its owner (its
+    counts first, then each Gram and feature sum as a tensor, one at a time), so a rank holds its own partials,
+    the running sums and one received tensor.
+
+    Args:
+        partials: ``partials[s][name]``, for each shard ``s`` this rank owns, the accumulator of each distinct
+            layer input ``name`` (the same names on every rank). Consumed: the first shard's accumulators become the
+            sums and are modified in place.
+        shards: the split (:class:`WindowShards`) the partials were accumulated on.
+        ranks: the process group, or None for one process.
+        device: where received Grams are put (the compute device; for ``nccl`` the rank's GPU).
+
+    Returns:
+        ``{name: GramAccumulator}`` holding the sums (Gram, feature sum, token and sequence counts).
+    """
+    total: dict[str, GramAccumulator] | None = None
+    exchange = ranks is not None and ranks.world_size > 1 and shards.n_shards > 1
+    for shard, owner in enumerate(shards.owners):
+        partial = partials.pop(shard, None)
+        if exchange:
+            partial = _broadcast_partial(partial, owner, ranks, device)
+        if total is None:
+            total = partial
+        else:
+            for name, acc in total.items():
+                acc.merge(partial[name])
+        del partial
+    return total
+
+
+def _broadcast_partial(
+    partial: dict[str, GramAccumulator] | None, src: int, ranks: Ranks, device: torch.device
+) -> dict[str, GramAccumulator]:
+    """Rank ``src``'s accumulators on every rank: the counts by one object broadcast, then the tensors one by one
+    (exact copies). On the other ranks, the accumulators are new and their tensors on ``device``."""
+    mine = ranks.rank == src
+    meta = None
+    if mine:
+        meta = {
+            name: (acc.d_in, acc.dtype, acc.track_sum, acc.n_tokens, acc.n_sequences, acc.gram is not None)
+            for name, acc in partial.items()
+        }
+    meta = ranks.broadcast(meta, src=src)
+    out = {}
+    for name, (d_in, dtype, track_sum, n_tokens, n_sequences, has_gram) in meta.items():
+        acc = partial[name] if mine else GramAccumulator(d_in, dtype=dtype, track_sum=track_sum)
+        if has_gram:
+            if not mine:
+                acc.gram = torch.empty(d_in, d_in, dtype=dtype, device=device)
+                acc.feature_sum = torch.empty(d_in, dtype=dtype, device=device) if track_sum else None
+            ranks.broadcast_tensor(acc.gram, src)
+            if track_sum:
+                ranks.broadcast_tensor(acc.feature_sum, src)
+        acc.n_tokens, acc.n_sequences = n_tokens, n_sequences
+        out[name] = acc
+    return out

@@ -27,6 +27,7 @@ from sparseswaps_prune.atomic import save_json
 from sparseswaps_prune.core.checks import check_device
 from sparseswaps_prune.llm import checkpoint
 from sparseswaps_prune.llm.data import check_source
+from sparseswaps_prune.llm.distributed import WindowShards
 from sparseswaps_prune.llm.pipeline import LayerReport, PruneOptions, finalize, masks_swapped, prune_model
 from sparseswaps_prune.llm.report import format_table, layer_rows, plot_stages, totals, write_csv
 
@@ -120,6 +121,9 @@ class JobConfig:
         check_source(self.calib, "calibration")
         if self.eval is not None:
             check_source(self.eval, "evaluation")
+        WindowShards(self.nsamples, self.batch_size, self.prune.calib_shards, what="calibration")
+        if self.holdout:
+            WindowShards(self.holdout, self.batch_size, self.prune.calib_shards, what="held-out")
         if self.blockwise:
             self._check_blockwise()
 

@@ -29,7 +29,7 @@ from sparseswaps_prune.core.layer import LayerOutcome, prune_layer
 from sparseswaps_prune.core.spec import DEFAULT_SPEC, DSnoTRefine, PruneSpec
 from sparseswaps_prune.llm import checkpoint
 from sparseswaps_prune.llm.capture import BlockInputs, capture_block_inputs
-from sparseswaps_prune.llm.distributed import Ranks, assign_layers
+from sparseswaps_prune.llm.distributed import Ranks, WindowShards, assign_layers, sum_shard_grams
 from sparseswaps_prune.llm.layers import find_blocks, group_by_input
 from sparseswaps_prune.modules import PrunableLayer, apply_mask, find_layers, input_hooks, replace_weight_mask
 
@@ -47,6 +47,11 @@ class PruneOptions:
             every decoder block; ``lm_head`` and embeddings are outside the blocks and never pruned).
         gram_dtype: ``"float32"`` or ``"float64"`` Gram accumulation.
         blocks_path: dotted path of the decoder-block list when auto-detection fails.
+        calib_shards: split the calibration windows (and, apart, the held-out windows) into this many contiguous
+            shards of whole batches, accumulate each shard's Grams on its own and sum them in shard order
+            (:mod:`~sparseswaps_prune.llm.distributed`). With ``distributed=True`` each rank owns whole shards and
+            captures and forwards only their windows; results are bit for bit those of one process with the same
+            ``calib_shards``, whatever the number of ranks. 1 (the default) sums all windows in one Gram, as always.
     """
 
     spec: PruneSpec = DEFAULT_SPEC
@@ -54,6 +59,7 @@ class PruneOptions:
     exclude: list[str] | None = None
     gram_dtype: str = "float32"
     blocks_path: str | None = None
+    calib_shards: int = 1
 
     def validate(self) -> None:
         """Raise ``ValueError``/``TypeError`` naming the bad option."""
@@ -61,6 +67,8 @@ class PruneOptions:
             raise TypeError(f"spec must be a PruneSpec (see build_spec), got {type(self.spec).__name__}")
         if self.gram_dtype not in ("float32", "float64"):
             raise ValueError(f"gram_dtype must be 'float32' or 'float64', got {self.gram_dtype!r}")
+        if isinstance(self.calib_shards, bool) or not isinstance(self.calib_shards, int) or self.calib_shards < 1:
+            raise ValueError(f"calib_shards must be a positive int (1: no split), got {self.calib_shards!r}")
 
     def to_dict(self) -> dict:
         """JSON-ready dict (``from_dict`` inverts it)."""
@@ -204,10 +212,16 @@ def prune_model(
         distributed: every rank of the initialised ``torch.distributed`` process group calls this with the same
             model and data; the layers of each block are divided across the ranks and their results broadcast
             (:mod:`~sparseswaps_prune.llm.distributed`), so every rank ends with the same weights and result as
-            one process would. Progress is shown on rank 0 only. Not combined with ``checkpoint_dir`` yet.
+            one process would. With ``options.calib_shards > 1`` the windows are divided too: each rank captures
+            and forwards only its own shards' windows, and the shards' Grams are summed in shard order on every
+            rank. Progress is shown on rank 0 only. Not combined with ``checkpoint_dir`` yet.
 
     Returns:
         :class:`PruneResult` (reports for every layer, including those of resumed blocks).
+
+    Raises:
+        ValueError: bad options or layer widths, ``checkpoint_dir`` with ``distributed``, or ``options.calib_shards``
+            that does not fit the windows or the ranks (naming the fix).
     """
     options.validate()
     start = time.perf_counter()
@@ -217,6 +231,7 @@ def prune_model(
     ranks = Ranks.current() if distributed else None
     if ranks is not None and checkpoint_dir is not None:
         raise ValueError("checkpoint_dir cannot be combined with distributed=True yet; leave one out")
+    shards = window_shards(options, calib_tokens, holdout_tokens, batch_size, ranks)
     progress = progress and (ranks is None or ranks.is_main)
     state = Path(checkpoint_dir) if checkpoint_dir is not None else None
     result, first_block, inputs = PruneResult(), 0, None
@@ -227,15 +242,13 @@ def prune_model(
             first_block, inputs = resumed.next_block, resumed.inputs
             _restore(resumed, blocks, blocks_name, options, result, keep_dense)
     if inputs is None:
-        inputs = {"fit": capture_block_inputs(model, blocks, calib_tokens, batch_size=batch_size)}
-        if holdout_tokens is not None:
-            inputs["holdout"] = capture_block_inputs(model, blocks, holdout_tokens, batch_size=batch_size)
+        inputs = capture_shards(model, blocks, calib_tokens, holdout_tokens, batch_size, shards)
     bar = tqdm(
         range(first_block, len(blocks)), desc="blocks", disable=not progress, initial=first_block, total=len(blocks)
     )
     for index in bar:
         layers, reports, inputs = _process_block(
-            blocks, blocks_name, index, inputs, options, device, result, progress, keep_dense, ranks
+            blocks, blocks_name, index, inputs, options, device, result, progress, keep_dense, ranks, shards
         )
         result.layers.extend(reports)
         if state is not None:
@@ -244,6 +257,46 @@ def prune_model(
             bar.set_postfix(reduction=f"{sum(r.reduction for r in reports) / len(reports):.1%}")
     result.seconds = time.perf_counter() - start
     return result
+
+
+def window_shards(
+    options: PruneOptions,
+    calib_tokens: torch.Tensor,
+    holdout_tokens: torch.Tensor | None,
+    batch_size: int,
+    ranks: Ranks | None,
+) -> dict[str, WindowShards]:
+    """The split of the calibration (``"fit"``) and held-out (``"holdout"``) windows into ``options.calib_shards``
+    shards and among ``ranks`` (:class:`~sparseswaps_prune.llm.distributed.WindowShards`).
+
+    Raises:
+        ValueError: ``calib_shards`` does not fit the windows, the batch size or the ranks (naming the fix).
+    """
+    world_size, rank = (1, 0) if ranks is None else (ranks.world_size, ranks.rank)
+    tokens = {"fit": (calib_tokens, "calibration"), "holdout": (holdout_tokens, "held-out")}
+    return {
+        key: WindowShards(int(ids.shape[0]), batch_size, options.calib_shards, world_size, rank, what)
+        for key, (ids, what) in tokens.items()
+        if ids is not None
+    }
+
+
+def capture_shards(
+    model: nn.Module,
+    blocks: nn.ModuleList,
+    calib_tokens: torch.Tensor,
+    holdout_tokens: torch.Tensor | None,
+    batch_size: int,
+    shards: dict[str, WindowShards],
+) -> dict[str, BlockInputs]:
+    """Capture the inputs of block 0 for this rank's windows only (``shards[key].rows`` of ``[n, seqlen]`` tokens;
+    all of them with one shard). Each batch is captured on its own, so the rows are those a capture of all windows
+    would give."""
+    tokens = {"fit": calib_tokens, "holdout": holdout_tokens}
+    return {
+        key: capture_block_inputs(model, blocks, tokens[key][split.rows], batch_size=batch_size)
+        for key, split in shards.items()
+    }
 
 
 def check_layers(model: nn.Module, options: PruneOptions) -> list[PrunableLayer]:
@@ -296,13 +349,15 @@ def _process_block(
     progress: bool,
     keep_dense: bool,
     ranks: Ranks | None = None,
+    shards: dict[str, WindowShards] | None = None,
 ) -> tuple[list[PrunableLayer], list[LayerReport], dict[str, BlockInputs]]:
     """One step of the block loop (also the out-of-core path's, :mod:`~sparseswaps_prune.llm.streaming`): move
     block ``index`` to ``device``, prune its layers into ``result``, run it to get the next block's inputs and move
-    it back to the CPU. Returns the block's layers, their reports and the next block's inputs."""
+    it back to the CPU. ``inputs`` hold this rank's windows of ``shards`` (None: one shard, all windows). Returns
+    the block's layers, their reports and the next block's inputs (this rank's windows only)."""
     block = blocks[index].to(device)
     layers = find_layers(block, prefix=f"{blocks_name}.{index}", include=options.include, exclude=options.exclude)
-    reports = _prune_block(block, layers, inputs, options, device, result, index, progress, keep_dense, ranks)
+    reports = _prune_block(block, layers, inputs, options, device, result, index, progress, keep_dense, ranks, shards)
     inputs = {key: part.run_block(block, device) for key, part in inputs.items()}
     _to_cpu(blocks[index], layers)
     return layers, reports, inputs
@@ -329,24 +384,32 @@ def _prune_block(
     progress: bool,
     keep_dense: bool,
     ranks: Ranks | None = None,
+    shards: dict[str, WindowShards] | None = None,
 ) -> list[LayerReport]:
-    """Accumulate the block's Grams (one per distinct input and token set), then prune every layer (with
-    ``ranks``: each rank prunes its share of the layers, then every result is broadcast from its rank)."""
+    """Accumulate the block's Grams (one per distinct input and token set; with several ``shards``, one partial per
+    shard, summed in shard order across the ranks), then prune every layer (with ``ranks``: each rank prunes its
+    share of the layers, then every result is broadcast from its rank)."""
     if not layers:
         return []
+    if shards is None:
+        shards = {key: WindowShards(part.num_samples, part.batch_size) for key, part in inputs.items()}
     hidden, kwargs = next(inputs["fit"].batches(device))
     groups = group_by_input(block, layers, hidden, **kwargs)
     grams: dict[str, dict[str, GramAccumulator]] = {}
     dtype, track_sum = getattr(torch, options.gram_dtype), isinstance(options.spec.refine, DSnoTRefine)
     for key, part in inputs.items():
-        accumulators = {
-            group[0].name: GramAccumulator(group[0].d_in, dtype=dtype, track_sum=track_sum and key == "fit")
-            for group in groups
-        }
-        with input_hooks(groups, lambda name, x, accs=accumulators: accs[name].add(x)):
-            part.feed_block(block, device)
+        partials = {}
+        for shard in shards[key].own:
+            accumulators = {
+                group[0].name: GramAccumulator(group[0].d_in, dtype=dtype, track_sum=track_sum and key == "fit")
+                for group in groups
+            }
+            with input_hooks(groups, lambda name, x, accs=accumulators: accs[name].add(x)):
+                part.select(shards[key].local_batches(shard)).feed_block(block, device)
+            partials[shard] = accumulators
+        accumulators = sum_shard_grams(partials, shards[key], ranks, device)
         grams[key] = {layer.name: accumulators[group[0].name] for group in groups for layer in group}
-    n_windows = inputs["fit"].num_samples
+    n_windows = shards["fit"].n_windows
 
     def prune_one(layer: PrunableLayer) -> _Pruned:
         fit, holdout = grams["fit"][layer.name], grams.get("holdout", {}).get(layer.name)

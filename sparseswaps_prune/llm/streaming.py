@@ -49,7 +49,6 @@ from tqdm.auto import tqdm
 from sparseswaps_prune.core.checks import check_device
 from sparseswaps_prune.extras import require
 from sparseswaps_prune.llm import pipeline
-from sparseswaps_prune.llm.capture import capture_block_inputs
 from sparseswaps_prune.llm.distributed import Ranks
 from sparseswaps_prune.llm.layers import find_blocks
 from sparseswaps_prune.llm.pipeline import LayerReport, PruneOptions, PruneResult, check_layers, finalize
@@ -563,7 +562,9 @@ def prune_checkpoint(
         progress: show tqdm progress bars (rank 0 only).
         distributed: every rank of the initialised ``torch.distributed`` process group calls this with the same
             arguments; the layers of each block are divided across the ranks and their results broadcast, and
-            rank 0 alone writes ``out_dir``. The output is the single-process output, bit for bit.
+            rank 0 alone writes ``out_dir``; with ``options.calib_shards > 1`` each rank captures and forwards only
+            its own shards' windows (as in ``prune_model``). The output is the single-process output with the same
+            ``calib_shards``, bit for bit.
 
     Returns:
         :class:`StreamResult`: layer reports, files written and the memory/time report.
@@ -593,6 +594,7 @@ def prune_checkpoint(
     model = _skeleton(config, dtype)
     total_parameters = model.num_parameters()  # now, while tied weights are still one parameter
     check_layers(model, options)
+    shards = pipeline.window_shards(options, calib_tokens, holdout_tokens, batch_size, ranks)
     blocks_name, blocks = find_blocks(model, options.blocks_path)
     mapping = _key_map(model, reader)
     state = model.state_dict(keep_vars=True)
@@ -615,9 +617,7 @@ def prune_checkpoint(
         writer = ShardedWriter(out, planned, max_shard_size)
     try:
         _load(model, reader, mapping, for_capture + block_keys[0])
-        inputs = {"fit": capture_block_inputs(model, blocks, calib_tokens, batch_size=batch_size)}
-        if holdout_tokens is not None:
-            inputs["holdout"] = capture_block_inputs(model, blocks, holdout_tokens, batch_size=batch_size)
+        inputs = pipeline.capture_shards(model, blocks, calib_tokens, holdout_tokens, batch_size, shards)
         seconds_capture = time.perf_counter() - start
         embedding_bytes = sum(_tensor_bytes(state[n].dtype, state[n].shape) for n in for_capture)
         if writer is not None:
@@ -640,7 +640,7 @@ def prune_checkpoint(
             # A fresh result per block: its masks are dropped with the block.
             step_ranks = ranks if ranks.world_size > 1 else None
             _, reports, inputs = pipeline._process_block(
-                blocks, blocks_name, index, inputs, options, device, PruneResult(), progress, False, step_ranks
+                blocks, blocks_name, index, inputs, options, device, PruneResult(), progress, False, step_ranks, shards
             )
             layers.extend(reports)
             finalize(blocks[index])

@@ -1,0 +1,206 @@
+"""Calibration windows split into shards (``PruneOptions.calib_shards``) and across gloo ranks (llm/distributed.py):
+one process with S shards equals W processes with the same S shards, bit for bit, and each rank holds only its
+windows."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from transformers import AutoModelForCausalLM
+
+from sparseswaps_prune.core.gram import GramAccumulator
+from sparseswaps_prune.core.spec import build_spec
+from sparseswaps_prune.llm.capture import BlockInputs, capture_block_inputs
+from sparseswaps_prune.llm.distributed import WindowShards, sum_shard_grams
+from sparseswaps_prune.llm.job import JobConfig
+from sparseswaps_prune.llm.layers import find_blocks
+from sparseswaps_prune.llm.models import tiny_model
+from sparseswaps_prune.llm.pipeline import PruneOptions, finalize, prune_model
+from sparseswaps_prune.llm.streaming import SafetensorsCheckpoint, prune_checkpoint
+
+SHARD = "1MB"
+N_CALIB, N_HOLDOUT = 7, 4  # in batches of 2: the last calibration batch is short
+
+
+def calib(n: int = N_CALIB, seqlen: int = 12, seed: int = 0) -> torch.Tensor:
+    return torch.randint(3, 3000, (n, seqlen), generator=torch.Generator().manual_seed(seed))
+
+
+def timeless(reports: list) -> list:
+    return [dataclasses.replace(r, seconds_mask=0.0, seconds_weights=0.0) for r in reports]
+
+
+def options(shards: int) -> PruneOptions:
+    return PruneOptions(spec=build_spec(max_iters=1), calib_shards=shards)
+
+
+def test_window_shards_split_whole_batches_in_order():
+    split = WindowShards(n_windows=9, batch_size=2, n_shards=2)  # 5 batches, the last one short
+    assert split.num_batches == 5 and split.starts == [0, 2, 5] and split.owners == [0, 0] and split.own == [0, 1]
+    assert split.rows == slice(0, 9) and split.local_batches(1) == range(2, 5)
+    one, two = (WindowShards(9, 2, 4, world_size=2, rank=r) for r in (0, 1))
+    assert one.starts == [0, 1, 2, 3, 5] and one.owners == [0, 0, 1, 1]
+    assert one.own == [0, 1] and one.rows == slice(0, 4) and one.local_batches(1) == range(1, 2)
+    assert two.own == [2, 3] and two.rows == slice(4, 9) and two.local_batches(3) == range(1, 3)
+    assert WindowShards(9, 2, 3, world_size=2, rank=1).owners == [0, 0, 1]
+    # One shard: nothing split, every rank holds every window.
+    assert WindowShards(9, 2, 1, world_size=4, rank=3).own == [0] and WindowShards(9, 2, 1, 4, 3).rows == slice(0, 9)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"n_shards": 0}, "calib_shards must be a positive int"),
+        ({"n_shards": 4, "batch_size": 3}, r"calib_shards=4 .* make only 3 batches; use calib_shards <= 3"),
+        ({"n_shards": 2, "world_size": 4}, r"calib_shards=2 is fewer than the 4 ranks.*use calib_shards >= 4"),
+    ],
+)
+def test_window_shards_errors_name_the_fix(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        WindowShards(**({"n_windows": 8, "batch_size": 1} | kwargs))
+
+
+def test_options_and_job_check_calib_shards():
+    with pytest.raises(ValueError, match="calib_shards must be a positive int"):
+        PruneOptions(calib_shards=0).validate()
+    with pytest.raises(ValueError, match="held-out windows"):
+        JobConfig(nsamples=8, holdout=2, batch_size=1, prune=PruneOptions(calib_shards=4)).validate()
+    JobConfig(nsamples=8, holdout=4, batch_size=1, prune=PruneOptions(calib_shards=4)).validate()
+    assert PruneOptions.from_dict(options(3).to_dict()) == options(3)
+    with pytest.raises(ValueError, match=r"calib_shards=4 .*held-out"):
+        prune_model(tiny_model("llama").eval(), calib(), options(4), progress=False, holdout_tokens=calib(3, seed=1))
+
+
+def test_block_inputs_select_is_a_view_of_whole_batches():
+    model = tiny_model("llama").eval()
+    _, blocks = find_blocks(model)
+    inputs = capture_block_inputs(model, blocks, calib(5), batch_size=2)
+    part = inputs.select(range(1, 3))
+    assert part.num_samples == 3 and part.num_batches == 2 and part.block_kwargs == inputs.block_kwargs[1:3]
+    assert part.hidden_states.data_ptr() == inputs.hidden_states[2].data_ptr()
+    assert inputs.select(range(3)) is inputs
+    for bad in (range(0), range(2, 4), range(0, 3, 2)):
+        with pytest.raises(ValueError, match="contiguous part"):
+            inputs.select(bad)
+    # The batches of a capture of some windows are those of a capture of all of them.
+    tail = capture_block_inputs(model, blocks, calib(5)[2:], batch_size=2)
+    assert torch.equal(tail.hidden_states, part.hidden_states[:3]) and isinstance(tail, BlockInputs)
+
+
+def test_sum_shard_grams_folds_in_shard_order():
+    xs = [torch.randn(3, 5, 8, generator=torch.Generator().manual_seed(s)) for s in range(3)]
+    partials = {}
+    for s, x in enumerate(xs):
+        partials[s] = {"a": GramAccumulator(8, track_sum=True)}
+        partials[s]["a"].add(x)
+    expected = (xs[0].reshape(-1, 8).T @ xs[0].reshape(-1, 8)).clone()
+    total = sum_shard_grams(dict(partials), WindowShards(3, 1, 3), None, torch.device("cpu"))["a"]
+    fold = partials[0]["a"].gram  # consumed: the first partial holds the sum
+    assert total.gram is fold and total.n_tokens == 45 and total.n_sequences == 9
+    for x in xs[1:]:
+        expected += x.reshape(-1, 8).T @ x.reshape(-1, 8)
+    torch.testing.assert_close(total.gram, expected)
+    torch.testing.assert_close(total.feature_sum, torch.cat(xs).reshape(-1, 8).sum(0))
+
+
+def test_one_shard_is_the_default_and_shards_only_reorder_sums():
+    held = calib(N_HOLDOUT, seed=1)
+
+    def run(opts: PruneOptions):
+        return prune_model(tiny_model("llama").eval(), calib(), opts, progress=False, batch_size=2, holdout_tokens=held)
+
+    base = run(PruneOptions(spec=build_spec(max_iters=1)))
+    assert timeless(run(options(1)).layers) == timeless(base.layers)
+    sharded = run(options(2))
+    for got, want in zip(sharded.layers, base.layers, strict=True):
+        assert got.name == want.name
+        assert got.loss_start == pytest.approx(want.loss_start, rel=1e-4)
+        assert got.holdout_start == pytest.approx(want.holdout_start, rel=1e-4)
+
+
+@contextmanager
+def spy_forwards() -> Iterator[list[tuple[int, torch.Tensor]]]:
+    """Record ``(block_index, next inputs [n, seqlen, hidden])`` of every ``BlockInputs.run_block`` call."""
+    seen: list[tuple[int, torch.Tensor]] = []
+    run_block = BlockInputs.run_block
+
+    def spy(self: BlockInputs, block: torch.nn.Module, device: torch.device | str) -> BlockInputs:
+        out = run_block(self, block, device)
+        seen.append((self.block_index, out.hidden_states.clone()))
+        return out
+
+    BlockInputs.run_block = spy
+    try:
+        yield seen
+    finally:
+        BlockInputs.run_block = run_block
+
+
+def _shards_worker(rank: int, world_size: int, tmp: str, shards: int, batch: int, stream: bool) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=world_size)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(f"{tmp}/src").eval()
+        with spy_forwards() as seen:
+            result = prune_model(model, calib(), options(shards), progress=False, batch_size=batch,
+                                 holdout_tokens=calib(N_HOLDOUT, seed=1), distributed=True)  # fmt: skip
+        finalize(model)
+        out = {"state": model.state_dict(), "masks": result.masks, "warm": result.warmstart_masks,
+               "layers": result.layers, "seen": seen}  # fmt: skip
+        if stream:
+            streamed = prune_checkpoint(f"{tmp}/src", f"{tmp}/stream", calib(), options(shards), batch_size=batch,
+                                        holdout_tokens=calib(N_HOLDOUT, seed=1), max_shard_size=SHARD,
+                                        distributed=True, progress=False)  # fmt: skip
+            out |= {"stream_layers": streamed.layers, "files": streamed.files}
+        torch.save(out, f"{tmp}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def tensors(directory: Path) -> dict[str, torch.Tensor]:
+    reader = SafetensorsCheckpoint(directory)
+    return reader.read(reader.files)
+
+
+@pytest.mark.parametrize(
+    ("world_size", "shards", "batch", "stream"),
+    [(1, 2, 2, False), (2, 2, 2, True), (2, 4, 1, False)],  # 2 ranks x 2 shards each, at batch 1
+)
+def test_ranks_with_shards_equal_one_process_with_the_same_shards(tmp_path, world_size, shards, batch, stream):
+    tiny_model("llama", num_hidden_layers=3).save_pretrained(tmp_path / "src", max_shard_size=SHARD)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "src").eval()
+    held = calib(N_HOLDOUT, seed=1)
+    with spy_forwards() as seen:
+        result = prune_model(model, calib(), options(shards), progress=False, batch_size=batch, holdout_tokens=held)
+    finalize(model)
+    mp.spawn(_shards_worker, args=(world_size, str(tmp_path), shards, batch, stream), nprocs=world_size, join=True)
+    expected = model.state_dict()
+    got = [torch.load(tmp_path / f"rank{rank}.pt", weights_only=False) for rank in range(world_size)]
+    for rank, out in enumerate(got):
+        assert out["state"].keys() == expected.keys()
+        assert all(torch.equal(out["state"][k], v) for k, v in expected.items())
+        assert all(torch.equal(out["masks"][k], v) for k, v in result.masks.items())
+        assert all(torch.equal(out["warm"][k], v) for k, v in result.warmstart_masks.items())
+        assert timeless(out["layers"]) == timeless(result.layers)  # held-out losses included, on every rank
+        # Each rank forwards only its own windows (calibration, then held-out, block after block).
+        for (block, mine), (_, everything), n, key in zip(
+            out["seen"], seen, [N_CALIB, N_HOLDOUT] * 3, ["calibration", "held-out"] * 3, strict=True
+        ):
+            rows = WindowShards(n, batch, shards, world_size, rank, key).rows
+            assert torch.equal(mine, everything[rows]), (block, key)
+            assert world_size == 1 or mine.shape[0] < n
+        if stream:
+            assert timeless(out["stream_layers"]) == timeless(result.layers)
+            assert (out["files"] != []) == (rank == 0)
+    if stream:
+        model.save_pretrained(tmp_path / "one", max_shard_size=SHARD)
+        one, streamed = tensors(tmp_path / "one"), tensors(tmp_path / "stream")
+        assert one.keys() == streamed.keys() and all(torch.equal(one[k], v) for k, v in streamed.items())
