@@ -21,20 +21,21 @@ Settings. A matrix row is ``build_spec(start=S, refine=R, weights=--weights)`` a
 for SparseSwaps). An ``--extra`` setting is a comma-separated list of
 :func:`~sparseswaps_prune.core.spec.build_spec` options applied on top of
 :data:`~sparseswaps_prune.core.spec.DEFAULT_SPEC` at the pattern (Wanda start, SparseSwaps T=``--max-iters``
-under the mask objective, least-squares re-fit damp 1e-3 guarded by the held-out windows): ``start``,
+under the mask objective, least-squares re-fit with ADMM's ridge ``G + 0.1 diag(G)``): ``start``,
 ``start_damp``, ``scope``, ``refine``, ``max_iters``, ``eps``, ``objective``, ``search_dtype``, ``backend``,
-``weights``, ``damp``, ``guard`` (``true``/``false``), plus ``dsnot_skip`` (``DSnoTRefine.skip``; ``none``:
+``weights``, ``damp``, ``ridge``, ``guard`` (``true``/``false``), plus ``dsnot_skip`` (``DSnoTRefine.skip``; ``none``:
 refine every layer). ``default`` (or an empty string) is DEFAULT_SPEC itself. The budget comes from
 ``--patterns``; ``scope=layer`` is dropped at N:M patterns (N:M fixes every row's count, so layer-wise methods
 select per row there). Examples: ``start=admm,scope=layer,refine=none,weights=start`` (ADMM as published),
 ``start=sparsegpt,scope=layer,refine=none,weights=obs`` (SparseGPT as published), ``refine=none`` (Wanda +
-guarded re-fit), ``weights=keep`` (SparseSwaps masks only). Each row is labelled by its stages, e.g.
-``admm/layer -> none -> start weights`` or ``wanda -> sparseswaps T=25 -> ls (guarded)``; a stage option that
-differs from that stage's default is named in the label (``ls damp 0.01``, ``sparsegpt damp 0.05``).
+re-fit), ``weights=keep`` (SparseSwaps masks only). Each row is labelled by its stages, e.g.
+``admm/layer -> none -> start weights`` or ``wanda -> sparseswaps T=25 -> ls``; a stage option that
+differs from that stage's default is named in the label (``ls damp 0.001 ridge mean (guarded)``,
+``sparsegpt damp 0.05``).
 
 ADMM and ALPS against SparseGPT and the default (``--preset admm-alps``, the settings of :data:`PRESETS`): ADMM,
 ALPS and SparseGPT as published (layer-wise selection, their own weights), the current default, and ADMM's and
-ALPS's masks as the start of SparseSwaps + guarded re-fit, and ALPS's mask with the guarded re-fit alone:
+ALPS's masks as the start of SparseSwaps + re-fit, and ALPS's mask with the re-fit alone:
 
     python benchmarks/compare_methods.py --out /tmp/admm_alps --patterns 60% 2:4 --starts --refiners --preset admm-alps
 
@@ -103,10 +104,10 @@ PRESETS: dict[str, list[str]] = {
         "start=admm,scope=layer,refine=none,weights=start",  # ADMM as published (Boza 2024)
         "start=alps,scope=layer,refine=none,weights=start",  # ALPS as published (Meng et al. 2024)
         "start=sparsegpt,scope=layer,refine=none,weights=obs",  # SparseGPT as published
-        "default",  # the current default: wanda -> sparseswaps T=25 -> ls (guarded)
-        "start=admm",  # admm -> sparseswaps T=25 (mask objective) -> ls (guarded)
-        "start=alps",  # alps -> sparseswaps T=25 -> ls (guarded)
-        "start=alps,refine=none",  # alps -> none -> ls (guarded)
+        "default",  # the current default: wanda -> sparseswaps T=25 -> ls
+        "start=admm",  # admm -> sparseswaps T=25 (mask objective) -> ls
+        "start=alps",  # alps -> sparseswaps T=25 -> ls
+        "start=alps,refine=none",  # alps -> none -> ls
     ],
 }
 _WEIGHT_NAMES = {"start": "start weights", "admm_update": "admm update", "alps_update": "alps update"}

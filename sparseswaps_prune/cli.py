@@ -196,7 +196,7 @@ def _add_prune_options(p: argparse.ArgumentParser) -> None:
     weights.add_argument(
         "--damp",
         type=float,
-        help="relative ridge of the weight update (defaults: 1e-3 for ls/cg, 0.1 for ls/cg with --ridge diag, 0.01 "
+        help="relative ridge of the weight update (defaults: 0.1 for ls/cg, 1e-3 for ls/cg with --ridge mean, 0.01 "
         "for obs/alps, 0.1 for admm)",
     )
     weights.add_argument(
@@ -208,8 +208,8 @@ def _add_prune_options(p: argparse.ArgumentParser) -> None:
     weights.add_argument(
         "--guard",
         action=argparse.BooleanOptionalAction,
-        help="keep a row's weight update only where it lowers its held-out loss (default: on for ls/cg, off for the "
-        "published methods' updates)",
+        help="keep a row's weight update only where it lowers its held-out loss (default off; with --ridge mean it "
+        "pays: the weakly damped re-fit over-fits some rows)",
     )
 
     layers = p.add_argument_group("layers")

@@ -116,7 +116,7 @@ def refit_weights(
         keep_mask: ``[d_out, d_in]`` bool, True = kept (not modified).
         damp: relative dampening (0 allowed when every ``G_SS`` is positive definite); default
             ``RIDGE_DAMPS[ridge]`` (1e-3 for ``"mean"``, ADMM's 0.1 for ``"diag"``).
-        ridge: ``"mean"`` or ``"diag"`` (above).
+        ridge: ``"mean"`` or ``"diag"`` (above; the pipeline's default spec uses ``"diag"``).
         row_batch: rows solved together (default bounds the ``[rows, k, k]`` systems to ~256 MiB for
             ``"direct"``; all rows at once for ``"cg"``).
         solver: ``"direct"`` or ``"cg"``.

@@ -277,16 +277,19 @@ class LeastSquares:
         guard: with held-out windows, a row keeps its re-fit only where it lowers that row's held-out loss against
             its fallback: the start's own weights (SparseGPT, ADMM, ALPS) where the row's mask is still the
             start's, else the original weights on the mask.
-        ridge: ``"mean"``: ``lambda = damp * mean(diag G)``, shrinking towards zero; ``"diag"``: least squares on
-            ``G + damp * diag(G)``, shrinking towards the dense weights (the problem ADMM's update solves on a
-            fixed mask; ``core.refit.refit_weights``).
+        ridge: ``"diag"`` (default): least squares on ``G + damp * diag(G)``, shrinking towards the dense weights
+            (the problem ADMM's update solves on a fixed mask; ``core.refit.refit_weights``); ``"mean"``:
+            ``lambda = damp * mean(diag G)``, shrinking towards zero (the default until 2026-11-25, with the guard).
+
+    The defaults (ridge ``"diag"``, damp 0.1, no guard) gave the best held-out perplexity on the default model at
+    60%, 70% and 2:4 (RESULTS.md, "ADMM's ridge in our re-fit"); with this ridge the guard no longer helps.
     """
 
     kind: ClassVar[str] = "least_squares"
     solver: str = "direct"
     damp: float | None = None
-    guard: bool = True
-    ridge: str = "mean"
+    guard: bool = False
+    ridge: str = "diag"
 
     def __post_init__(self) -> None:
         _choice(self.solver, "least-squares solver", ("direct", "cg"))
@@ -494,19 +497,24 @@ class PruneSpec:
         return cls(budget=Budget(**budget), **stages)
 
     def describe(self) -> str:
-        """One line naming every stage, e.g. ``60% per row: wanda -> sparseswaps T=25 (mask) -> ls (guarded)``."""
+        """One line naming every stage, e.g. ``60% per row: wanda -> sparseswaps T=25 (mask) -> ls (diag ridge
+        0.1)``."""
         budget = self.budget
         head = f"{budget.nm[0]}:{budget.nm[1]}" if budget.nm else f"{budget.sparsity:.0%} per {budget.scope}"
         refine = self.refine.name
         if isinstance(self.refine, SwapRefine):
             refine += f" T={self.refine.max_iters} ({self.refine.objective})"
-        weights = self.weights.name + (" (guarded)" if getattr(self.weights, "guard", False) else "")
+        weights = self.weights.name
+        if isinstance(self.weights, LeastSquares):
+            weights += f" ({self.weights.ridge} ridge {self.weights.damp:g})"
+        weights += " (guarded)" if getattr(self.weights, "guard", False) else ""
         return f"{head}: {self.start.name} -> {refine} -> {weights}"
 
 
 DEFAULT_SPEC = PruneSpec()
-"""The default: 60% per row, Wanda start, SparseSwaps T=25 (mask objective), guarded least-squares re-fit
-(damp 1e-3) — the best combination measured within the main job's 10-minute CPU budget (RESULTS.md)."""
+"""The default: 60% per row, Wanda start, SparseSwaps T=25 (mask objective), least-squares re-fit on
+``G + 0.1 * diag(G)`` (ADMM's ridge) — the best combination measured within the main job's 10-minute CPU budget
+(RESULTS.md)."""
 
 
 def build_spec(

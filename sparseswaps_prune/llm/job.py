@@ -33,7 +33,8 @@ from sparseswaps_prune.llm.report import format_table, layer_rows, plot_stages, 
 
 logger = logging.getLogger(__name__)
 
-# Held-out calibration windows of the main job: they guard the least-squares re-fit (RESULTS.md).
+# Held-out calibration windows of the main job: every stage's loss is reported on them, and they guard a weight
+# update when asked (--guard) (RESULTS.md).
 DEFAULT_HOLDOUT = 8
 STATE_DIR = ".sparseswaps_state"
 STAGING_DIR = ".sparseswaps_staging"
@@ -51,8 +52,8 @@ class JobConfig:
         calib: calibration source (``builtin``, ``c4``, ``wikitext`` or a local file/directory).
         nsamples, seqlen: calibration windows and their length in tokens.
         holdout: extra held-out calibration windows, disjoint from the calibration windows; every layer's
-            losses are also reported on their Gram, and a guarded weight update (the default) keeps a row's update
-            only where it lowers that row's held-out loss (0: none; the guard then keeps every update).
+            losses are also reported on their Gram, and a guarded weight update (``guard=True``) keeps a row's
+            update only where it lowers that row's held-out loss (0: none; the guard then keeps every update).
         eval: perplexity text source (same choices as ``calib``); None skips evaluation.
         eval_windows: at most this many windows of ``seqlen`` tokens are scored (None: all).
         eval_warmstart: also measure the perplexity of the warmstart masks (same run, same Grams).

@@ -67,11 +67,12 @@ def test_labels_name_every_stage(compare):
 
     assert label("start=admm,scope=layer,refine=none,weights=start") == "admm/layer -> none -> start weights"
     assert label("start=admm,scope=layer,refine=none,weights=start", "2:4") == "admm -> none -> start weights"
-    assert label("default") == "wanda -> sparseswaps T=25 -> ls (guarded)"
+    assert label("default") == "wanda -> sparseswaps T=25 -> ls"
+    assert label("ridge=mean,guard=true") == "wanda -> sparseswaps T=25 -> ls damp 0.001 ridge mean (guarded)"
     assert label("start=sparsegpt,scope=layer,refine=none,weights=obs") == "sparsegpt/layer -> none -> obs"
     assert label("refine=none,damp=0.01,guard=false") == "wanda -> none -> ls damp 0.01"
     assert label("refine=dsnot,dsnot_skip=none,weights=keep") == "wanda -> dsnot (all layers) -> keep"
-    assert label("objective=refit,max_iters=5") == "wanda -> sparseswaps T=5 (refit objective) -> ls (guarded)"
+    assert label("objective=refit,max_iters=5") == "wanda -> sparseswaps T=5 (refit objective) -> ls"
     assert label("start=sparsegpt,start_damp=0.05,weights=alps") == (
         "sparsegpt damp 0.05 -> sparseswaps T=25 -> alps update"
     )
@@ -94,10 +95,10 @@ def test_admm_alps_preset_on_a_tiny_model(compare, tmp_path, capsys):
         "admm/layer -> none -> start weights",
         "alps/layer -> none -> start weights",
         "sparsegpt/layer -> none -> obs",
-        "wanda -> sparseswaps T=3 -> ls (guarded)",
-        "admm -> sparseswaps T=3 -> ls (guarded)",
-        "alps -> sparseswaps T=3 -> ls (guarded)",
-        "alps -> none -> ls (guarded)",
+        "wanda -> sparseswaps T=3 -> ls",
+        "admm -> sparseswaps T=3 -> ls",
+        "alps -> sparseswaps T=3 -> ls",
+        "alps -> none -> ls",
     ]
     for rows in results.values():
         for row in rows:

@@ -138,7 +138,7 @@ def test_refit_writes_least_squares_weights_into_weight_orig(tmp_path, objective
     make_trainer(tmp_path, plain, max_epochs=1).fit(MLP())
     x = model.x[:32]  # the two calibration batches of 16
     mask = snap.masks["net.0"].bool()
-    expected = refit_weights(dense, x.T @ x, mask, damp=cb.spec.weights.damp)
+    expected = refit_weights(dense, x.T @ x, mask, damp=cb.spec.weights.damp, ridge=cb.spec.weights.ridge)
     torch.testing.assert_close(snap.origs["net.0"], expected, rtol=1e-4, atol=1e-5)
     assert bool((snap.origs["net.0"][~mask] == 0).all())
     for name in ("net.0", "net.2"):  # a re-fit never has a higher loss than the same search without it

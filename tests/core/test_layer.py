@@ -51,7 +51,7 @@ def test_keep_weights_reports_the_mask_losses():
 
 def test_guard_keeps_an_update_only_where_it_lowers_the_held_out_loss():
     weight, acc, held = problem(tokens=40, seed=2)
-    spec = build_spec(weights="ls", damp=0.0)
+    spec = build_spec(weights="ls", damp=0.0, guard=True)
     unguarded = prune_layer(weight, acc.gram, build_spec(spec, guard=False), holdout_gram=held)
     out = prune_layer(weight, acc.gram, spec, holdout_gram=held)
     better = weight_losses(weight, unguarded.weight, held) < row_losses(weight, held, out.keep_mask)
@@ -73,7 +73,7 @@ def test_refit_objective_yields_its_own_weights():
 
 def test_guard_falls_back_to_the_starts_weights_where_the_mask_is_the_starts():
     weight, acc, held = problem(tokens=40, seed=1)
-    spec = build_spec(start="admm", refine="none", weights="ls")
+    spec = build_spec(start="admm", refine="none", weights="ls", ridge="mean", guard=True)
     admm = admm_prune(weight, acc.gram, sparsity=0.6, scope="row")
     unguarded = prune_layer(weight, acc.gram, build_spec(spec, guard=False), holdout_gram=held)
     out = prune_layer(weight, acc.gram, spec, holdout_gram=held)

@@ -24,8 +24,9 @@ def test_default_spec():
     assert DEFAULT_SPEC == PruneSpec(
         budget=Budget(sparsity=0.6), start=ScoreStart("wanda"), refine=SwapRefine(max_iters=25), weights=LeastSquares()
     )
-    assert DEFAULT_SPEC.describe() == "60% per row: wanda -> sparseswaps T=25 (mask) -> ls (guarded)"
+    assert DEFAULT_SPEC.describe() == "60% per row: wanda -> sparseswaps T=25 (mask) -> ls (diag ridge 0.1)"
     assert build_spec() == DEFAULT_SPEC
+    assert DEFAULT_SPEC.weights == LeastSquares(solver="direct", damp=0.1, guard=False, ridge="diag")
 
 
 @pytest.mark.parametrize(
@@ -95,13 +96,13 @@ def test_meaningless_or_bad_options_are_refused(kwargs, error, match):
 
 
 def test_ridge_takes_its_own_default_damp_unless_given():
-    assert DEFAULT_SPEC.weights.ridge == "mean" and DEFAULT_SPEC.weights.damp == 1e-3
-    diag = build_spec(ridge="diag").weights
-    assert diag == LeastSquares(ridge="diag", damp=0.1) and diag.guard
-    assert build_spec(ridge="diag", damp=0.05).weights.damp == 0.05
-    assert build_spec(damp=0.05, ridge="diag").weights.damp == 0.05
-    assert build_spec(build_spec(ridge="diag"), max_iters=3).weights.damp == 0.1  # kept when ridge is unchanged
-    assert build_spec(build_spec(ridge="diag"), ridge="mean").weights.damp == 1e-3
+    assert DEFAULT_SPEC.weights.ridge == "diag" and DEFAULT_SPEC.weights.damp == 0.1
+    mean = build_spec(ridge="mean").weights
+    assert mean == LeastSquares(ridge="mean", damp=1e-3) and not mean.guard
+    assert build_spec(ridge="mean", damp=0.05).weights.damp == 0.05
+    assert build_spec(damp=0.05, ridge="mean").weights.damp == 0.05
+    assert build_spec(build_spec(ridge="mean"), max_iters=3).weights.damp == 1e-3  # kept when ridge is unchanged
+    assert build_spec(build_spec(ridge="mean"), ridge="diag").weights.damp == 0.1
 
 
 def test_stages_are_type_checked():

@@ -24,9 +24,10 @@ def test_prune_report_eval(saved_tiny, tmp_path, capsys):
     assert summary["totals"]["loss_refined"] <= summary["totals"]["loss_start"]
     config = json.loads((out / "config_sparseswaps.json").read_text())
     assert config["prune"]["spec"]["budget"]["nm"] == [2, 4]
-    # the main job's defaults: swaps, then a re-fit guarded by 8 held-out windows
+    # the main job's defaults: swaps, then a re-fit with ADMM's ridge; 8 held-out windows for the report
     weights = config["prune"]["spec"]["weights"]
-    assert weights["kind"] == "least_squares" and weights["guard"] and config["holdout"] == 8
+    assert weights["kind"] == "least_squares" and weights["ridge"] == "diag" and not weights["guard"]
+    assert config["holdout"] == 8
     assert summary["totals"]["loss_final"] <= summary["totals"]["loss_refined"]
     assert summary["totals"]["holdout_final"] is not None
     assert main(["report", str(out)]) == 0
