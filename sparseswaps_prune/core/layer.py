@@ -220,20 +220,14 @@ def _prune_layer(
     mask, searched_weight = start, None
     n_swaps, iters = torch.zeros(weight.shape[0], dtype=torch.long), 0
     if isinstance(refine, SwapRefine):
-        search_gram, damp = gram, getattr(spec.weights, "damp", 0.0)
-        diag_ridge = refine.objective == "refit" and spec.weights.ridge == "diag"
-        if diag_ridge:  # the re-fit under ridge "diag" is plain least squares on the damped Gram G + damp diag(G)
-            search_gram = gram + torch.diag(damp * torch.diagonal(gram))
-            damp = 0.0
+        fit = {"damp": spec.weights.damp, "ridge": spec.weights.ridge} if refine.objective == "refit" else {}
         refined = refine_mask(
-            weight, search_gram, start, max_iters=refine.max_iters, nm=budget.nm, eps=refine.eps, device=device,
+            weight, gram, start, max_iters=refine.max_iters, nm=budget.nm, eps=refine.eps, device=device,
             dtype=getattr(torch, refine.search_dtype), backend=refine.backend, resync_every=refine.resync_every,
-            objective=refine.objective, damp=damp, scope=budget.scope,
+            objective=refine.objective, scope=budget.scope, **fit,
         )  # fmt: skip
         mask, n_swaps, iters, searched_weight = refined.mask, refined.n_swaps, refined.iters, refined.weight
         loss_start, loss_refined = refined.loss_before, refined.loss_after
-        if diag_ridge:  # the mask losses on the calibration Gram itself
-            loss_start, loss_refined = row_losses(weight, gram, start), row_losses(weight, gram, mask)
     else:
         if isinstance(refine, DSnoTRefine) and not (refine.skip and name and f".{refine.skip}." in name):
             mean, var, sq_mean = feature_stats

@@ -52,7 +52,7 @@ from sparseswaps_prune.core.checks import (
 )
 from sparseswaps_prune.core.layer_moves import MovePlan, plan_moves
 from sparseswaps_prune.core.losses import correlation, swap_delta, weight_losses_unchecked
-from sparseswaps_prune.core.refit import REFIT_DAMP, damping
+from sparseswaps_prune.core.refit import REFIT_DAMP, RIDGES, damping
 
 OBJECTIVES = ("mask", "refit")
 SCOPES = ("row", "layer")
@@ -510,6 +510,7 @@ def refine_mask(
     resync_every: int = 32,
     objective: Literal["mask", "refit"] = "mask",
     damp: float = REFIT_DAMP,
+    ridge: str = "mean",
     scope: Literal["row", "layer"] = "row",
 ) -> RefineResult:
     """Refine a pruning mask by exact, loss-decreasing 1-swaps.
@@ -542,8 +543,11 @@ def refine_mask(
             ``"refit"``: minimise the loss after re-fitting the kept weights, the damped objective
             ``min_v (w - v)^T G (w - v) + lambda ||v||^2`` (see ``refit_objective``); the re-fitted weights are
             returned in ``RefineResult.weight``.
-        damp: re-fit damping, ``lambda = damp * mean(diag G)`` as ``refit_weights`` (``objective="refit"`` only;
-            0 needs every ``G_SS`` positive definite).
+        damp: re-fit damping, relative as in ``refit_weights`` (``objective="refit"`` only; 0 needs every ``G_SS``
+            positive definite).
+        ridge: the re-fit's ridge, as ``refit_weights``: ``"mean"``: ``lambda = damp * mean(diag G)`` (shrinking
+            towards zero); ``"diag"``: least squares on ``G + damp * diag(G)`` (shrinking towards the dense weights;
+            the swaps are exact on that damped Gram). Every reported loss is on ``G`` itself.
         scope: ``"row"``: every row keeps its count (swaps within rows). ``"layer"``: only the layer's total count
             is kept; moves may also prune a weight in one row and restore one in another (each iteration applies
             the best combination of moves with every row in at most one; see ``core/layer_moves.py``). With
@@ -587,6 +591,8 @@ def refine_mask(
             "use scope='row' with nm, or scope='layer' without nm"
         )
     check_number(damp, "damp", low=0)
+    if ridge not in RIDGES:
+        raise ValueError(f"ridge must be 'mean' or 'diag', got {ridge!r}")
     check_int(resync_every, "resync_every", low=1)
     if row_batch is not None:
         check_int(row_batch, "row_batch", low=1)
@@ -597,7 +603,10 @@ def refine_mask(
     gram64 = gram.detach().to(device=compute, dtype=torch.float64)
     refit = objective == "refit"
     if refit:
-        lam = damping(gram64, damp)
+        # ridge "diag" is plain least squares on the damped Gram G + damp diag(G): the search runs on it, undamped
+        gram_fit, lam = gram64, damping(gram64, damp)
+        if ridge == "diag":
+            gram_fit, lam = gram64 + torch.diag(damping(gram64, damp, ridge)), 0.0
         fitted_before = torch.zeros(d_out, d_in, dtype=torch.float64, device=compute)
         fitted = torch.zeros_like(fitted_before)
     else:
@@ -614,7 +623,7 @@ def refine_mask(
         if refit:
             m = nm[1] if nm is not None else None
             model = RefitRows(
-                w64, keep, gram64, lam=lam, m=m, row_batch=batch, cross=scope == "layer", row_offset=r0, engine=engine
+                w64, keep, gram_fit, lam=lam, m=m, row_batch=batch, cross=scope == "layer", row_offset=r0, engine=engine
             )
         else:
             model = MaskRows(w64, keep, gram64, gram_search, search=search, nm=nm, row_batch=batch)

@@ -446,7 +446,6 @@ class PruneSpec:
                     f"yields those weights itself, so weights must be LeastSquares(solver='direct'), got {weights} "
                     "(CLI: --weights ls)"
                 )
-
         if isinstance(weights, StartWeights):
             if not isinstance(self.start, WEIGHT_STARTS):
                 raise ValueError(

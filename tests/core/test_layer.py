@@ -99,9 +99,8 @@ def test_guard_falls_back_to_the_starts_weights_where_the_mask_is_the_starts():
 def test_diag_ridge_weights_and_refit_objective(objective):
     weight, acc, _ = problem(seed=5)
     out = prune_layer(weight, acc.gram, build_spec(ridge="diag", objective=objective, max_iters=5))
-    damped = acc.gram + torch.diag(0.1 * torch.diagonal(acc.gram))
-    if objective == "refit":  # swaps judged after the diag-ridge re-fit: least squares on the damped Gram
-        searched = refine_mask(weight, damped, out.start_mask, max_iters=5, objective="refit", damp=0.0)
+    if objective == "refit":  # swaps judged after the diag-ridge re-fit (refine_mask's ridge="diag")
+        searched = refine_mask(weight, acc.gram, out.start_mask, max_iters=5, objective="refit", damp=0.1, ridge="diag")
         assert torch.equal(out.keep_mask, searched.mask) and torch.equal(out.weight, searched.weight)
         assert out.n_swaps.sum() > 0
     fitted = refit_weights(weight, acc.gram, out.keep_mask, ridge="diag")

@@ -126,6 +126,27 @@ def test_objective_never_rises_and_weights_are_the_refit():
     assert rs.refit_objective(weight, gram, full.mask).sum() < rs.refit_objective(weight, gram, mask_only).sum()
 
 
+def test_diag_ridge_searches_the_damped_gram_and_reports_losses_on_g():
+    weight, gram = layer_problem(10, 32, seed=4, dtype=torch.float32)
+    keep = warmstart_mask(weight, "wanda", sparsity=0.6, gram=gram)
+    res = refine_mask(weight, gram, keep, max_iters=8, objective="refit", damp=0.1, ridge="diag")
+    gram64 = gram.double()
+    damped = gram64 + torch.diag(0.1 * torch.diagonal(gram64))  # least squares on G + 0.1 diag(G), no ridge
+    plain = refine_mask(weight, damped, keep, max_iters=8, objective="refit", damp=0.0)
+    assert torch.equal(res.mask, plain.mask) and torch.equal(res.weight, plain.weight)
+    assert res.n_swaps.sum() > 0 and not torch.equal(res.mask, keep)
+    assert torch.allclose(
+        res.weight, refit_weights(weight, gram, res.mask, damp=0.1, ridge="diag"), rtol=1e-5, atol=1e-6
+    )
+    # every loss is on G itself: the mask losses and the re-fitted weights' losses
+    assert torch.allclose(res.loss_before, row_losses(weight, gram, keep), rtol=1e-12)
+    assert torch.allclose(res.loss_after, row_losses(weight, gram, res.mask), rtol=1e-12)
+    assert torch.allclose(res.refit_loss_after, fit_loss(weight, gram, res.weight), rtol=1e-5)
+    assert not torch.allclose(res.refit_loss_after, fit_loss(weight, damped, res.weight), rtol=1e-3)
+    with pytest.raises(ValueError, match="ridge must be"):
+        refine_mask(weight, gram, keep, objective="refit", ridge="full")
+
+
 def test_state_updates_match_a_rebuild():
     weight, gram = layer_problem(3, 20, seed=5)
     keep = warmstart_mask(weight, "magnitude", sparsity=0.6)
