@@ -51,7 +51,6 @@ with other stage defaults are never read; they are re-run (and with ``--report-o
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import json
 import platform
@@ -63,18 +62,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import pattern_options
+from common import label, parse_setting, setting_spec
 
 from sparseswaps_prune.atomic import atomic_write, save_json
 from sparseswaps_prune.core.spec import (
-    DEFAULT_SPEC,
     REFINES,
     STARTS,
     WEIGHTS,
-    DSnoTRefine,
     PruneSpec,
-    SwapRefine,
-    build_spec,
 )
 from sparseswaps_prune.llm.data import load_calibration, load_eval_tokens
 from sparseswaps_prune.llm.experiment import Experiment
@@ -82,23 +77,6 @@ from sparseswaps_prune.llm.models import load_model
 from sparseswaps_prune.llm.pipeline import PruneOptions
 from sparseswaps_prune.llm.tasks import write_builtin_cloze_task
 
-# --extra option -> parser of its value (the build_spec options, and dsnot_skip)
-_OPTION_TYPES: dict[str, Callable[[str], Any]] = {
-    "start": str,
-    "start_damp": float,
-    "scope": str,
-    "refine": str,
-    "max_iters": int,
-    "eps": float,
-    "objective": str,
-    "search_dtype": str,
-    "backend": str,
-    "weights": str,
-    "damp": float,
-    "ridge": str,
-    "guard": lambda v: {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}[v.lower()],
-    "dsnot_skip": lambda v: None if v.lower() == "none" else v,
-}
 PRESETS: dict[str, list[str]] = {
     "admm-alps": [
         "start=admm,scope=layer,refine=none,weights=start",  # ADMM as published (Boza 2024)
@@ -110,78 +88,6 @@ PRESETS: dict[str, list[str]] = {
         "start=alps,refine=none",  # alps -> none -> ls
     ],
 }
-_WEIGHT_NAMES = {"start": "start weights", "admm_update": "admm update", "alps_update": "alps update"}
-
-
-def parse_setting(text: str) -> dict[str, Any]:
-    """``"start=admm,refine=none,max_iters=5"`` -> ``{"start": "admm", "refine": "none", "max_iters": 5}``;
-    ``"default"`` or ``""`` -> ``{}``."""
-    setting: dict[str, Any] = {}
-    for item in filter(None, (part.strip() for part in text.split(","))):
-        if item == "default":
-            continue
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise SystemExit(f"--extra {text!r}: {item!r} is not OPTION=VALUE")
-        if key in ("sparsity", "nm"):
-            raise SystemExit(f"--extra {text!r}: the budget comes from --patterns, not {key}=")
-        if key not in _OPTION_TYPES:
-            raise SystemExit(f"--extra {text!r}: unknown option {key!r}; known: {', '.join(_OPTION_TYPES)}")
-        try:
-            setting[key] = _OPTION_TYPES[key](value)
-        except (KeyError, ValueError):
-            raise SystemExit(f"--extra {text!r}: bad value {value!r} for {key}") from None
-    return setting
-
-
-def setting_spec(setting: dict[str, Any], pattern: str, max_iters: int) -> PruneSpec:
-    """The spec of one setting at one pattern: ``DEFAULT_SPEC`` with the pattern's budget, then ``setting``'s
-    options (``scope="layer"`` dropped at N:M), then T=``max_iters`` unless the setting gives ``max_iters``."""
-    budget = pattern_options(pattern)
-    options = dict(setting)
-    skip = options.pop("dsnot_skip", "unset")
-    if budget["nm"] is not None and options.get("scope") == "layer":
-        del options["scope"]
-    spec = build_spec(build_spec(DEFAULT_SPEC, **budget, scope="row"), **options)
-    if isinstance(spec.refine, SwapRefine) and "max_iters" not in options:
-        spec = dataclasses.replace(spec, refine=dataclasses.replace(spec.refine, max_iters=max_iters))
-    if skip != "unset":
-        if not isinstance(spec.refine, DSnoTRefine):
-            raise ValueError(f"dsnot_skip is an option of refine='dsnot', but refine is {spec.refine.name!r}")
-        spec = dataclasses.replace(spec, refine=dataclasses.replace(spec.refine, skip=skip))
-    return spec
-
-
-def _changed(stage: Any, skip: tuple[str, ...] = ()) -> str:
-    """`` name value`` for every field of ``stage`` that differs from its class default (``skip`` left out)."""
-    default = type(stage)()
-    parts = []
-    for f in dataclasses.fields(stage):
-        value = getattr(stage, f.name)
-        if f.name in skip or value == getattr(default, f.name):
-            continue
-        parts.append(f" {f.name} {value:g}" if isinstance(value, float) else f" {f.name} {value}")
-    return "".join(parts)
-
-
-def label(spec: PruneSpec) -> str:
-    """The stages of ``spec`` (its budget aside), e.g. ``admm/layer -> none -> start weights`` or
-    ``wanda -> sparseswaps T=25 -> ls (guarded)``; every stage option off its default is named."""
-    start = spec.start.name + ("/layer" if spec.budget.scope == "layer" else "") + _changed(spec.start)
-    refine = spec.refine
-    if isinstance(refine, SwapRefine):
-        text = f"sparseswaps T={refine.max_iters}" + (" (refit objective)" if refine.objective == "refit" else "")
-        text += _changed(refine, skip=("max_iters", "objective"))
-    elif isinstance(refine, DSnoTRefine):
-        text = "dsnot" + (" (all layers)" if refine.skip is None else "") + _changed(refine, skip=("skip",))
-        if refine.skip not in (None, DSnoTRefine().skip):
-            text += f" (skips {refine.skip})"
-    else:
-        text = refine.name
-    weights = spec.weights
-    guarded = getattr(weights, "guard", False)
-    weight_text = _WEIGHT_NAMES.get(weights.kind, weights.name) + _changed(weights, skip=("guard", "solver"))
-    return f"{start} -> {text} -> {weight_text}" + (" (guarded)" if guarded else "")
 
 
 def row_path(out: Path, pattern: str, spec: PruneSpec) -> Path:

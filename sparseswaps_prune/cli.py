@@ -55,10 +55,13 @@ def job_config(args: argparse.Namespace) -> JobConfig:
     spec = build_spec(
         sparsity=args.sparsity, nm=args.nm, scope=args.scope, start=args.start, start_damp=args.start_damp,
         refine=args.refine, max_iters=args.max_iters, eps=args.eps, objective=args.objective,
-        search_dtype=args.search_dtype, backend=args.backend, weights=args.weights, damp=args.damp, guard=args.guard,
-        ridge=args.ridge,
+        search_dtype=args.search_dtype, backend=args.backend, swap_scope=args.swap_scope, weights=args.weights,
+        damp=args.damp, guard=args.guard, ridge=args.ridge,
     )  # fmt: skip
-    options = PruneOptions(spec=spec, include=args.include, exclude=args.exclude, gram_dtype=args.gram_dtype)
+    options = PruneOptions(
+        spec=spec, include=args.include, exclude=args.exclude, gram_dtype=args.gram_dtype,
+        calib_shards=args.calib_shards,
+    )  # fmt: skip
     given = {name: getattr(args, name) for name in _JOB_FIELDS if getattr(args, name) is not None}
     return JobConfig(prune=options, **given)
 
@@ -184,6 +187,11 @@ def _add_prune_options(p: argparse.ArgumentParser) -> None:
         "--search-dtype", choices=("float32", "float64"), help="SparseSwaps search dtype (default float32)"
     )
     refine.add_argument("--backend", choices=SEARCH_BACKENDS, help="SparseSwaps search backend (default auto)")
+    refine.add_argument(
+        "--swap-scope", choices=("row",),
+        help="SparseSwaps: swap within rows also under --scope layer, every row keeping the start's count "
+        "(default: the budget's scope)",
+    )  # fmt: skip
 
     weights = p.add_argument_group("weights (the final kept weights)")
     weights.add_argument(
@@ -223,6 +231,11 @@ def _add_prune_options(p: argparse.ArgumentParser) -> None:
     data.add_argument("--calib", help="calibration text: builtin | c4 | wikitext | PATH (default builtin)")
     data.add_argument("--nsamples", type=int, help="calibration windows (default 16)")
     data.add_argument("--seqlen", type=int, help="tokens per window (default 256)")
+    data.add_argument(
+        "--calib-shards", type=int, default=1,
+        help="split the calibration (and held-out) windows into this many contiguous shards of whole batches whose "
+        "Grams are summed in shard order; the unit of work of distributed ranks (default 1: one Gram)",
+    )  # fmt: skip
     data.add_argument(
         "--holdout",
         type=int,

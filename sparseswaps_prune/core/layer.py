@@ -224,7 +224,7 @@ def _prune_layer(
         refined = refine_mask(
             weight, gram, start, max_iters=refine.max_iters, nm=budget.nm, eps=refine.eps, device=device,
             dtype=getattr(torch, refine.search_dtype), backend=refine.backend, resync_every=refine.resync_every,
-            objective=refine.objective, scope=budget.scope, **fit,
+            objective=refine.objective, scope=refine.scope or budget.scope, **fit,
         )  # fmt: skip
         mask, n_swaps, iters, searched_weight = refined.mask, refined.n_swaps, refined.iters, refined.weight
         loss_start, loss_refined = refined.loss_before, refined.loss_after

@@ -195,6 +195,9 @@ class SwapRefine:
         search_dtype: ``"float32"`` or ``"float64"`` swap search of the mask objective (acceptance is float64).
         backend: swap search: ``"auto"``, ``"torch"``, ``"numba"`` or ``"triton"``.
         resync_every: rebuild the float64 state from scratch every this many iterations.
+        scope: where moves may go: None (the budget's scope), or ``"row"``: swaps within rows, every row keeping
+            the start's count, also under a per-layer budget (e.g. after ADMM's or ALPS's layer-wise mask: the
+            layer's total is kept and the cheaper per-row search runs).
     """
 
     kind: ClassVar[str] = "sparseswaps"
@@ -204,6 +207,7 @@ class SwapRefine:
     search_dtype: str = "float32"
     backend: str = "auto"
     resync_every: int = 32
+    scope: str | None = None
 
     def __post_init__(self) -> None:
         check_int(self.max_iters, "max_iters", low=0)
@@ -212,6 +216,8 @@ class SwapRefine:
         _choice(self.search_dtype, "search_dtype", ("float32", "float64"))
         _choice(self.backend, "backend", SEARCH_BACKENDS)
         check_int(self.resync_every, "resync_every", low=1)
+        if self.scope is not None:
+            _choice(self.scope, "swap scope", ("row",))
 
     @property
     def name(self) -> str:
@@ -503,6 +509,7 @@ class PruneSpec:
         refine = self.refine.name
         if isinstance(self.refine, SwapRefine):
             refine += f" T={self.refine.max_iters} ({self.refine.objective})"
+            refine += " (within rows)" if self.refine.scope == "row" and budget.scope == "layer" else ""
         weights = self.weights.name
         if isinstance(self.weights, LeastSquares):
             weights += f" ({self.weights.ridge} ridge {self.weights.damp:g})"
@@ -530,6 +537,7 @@ def build_spec(
     objective: str | None = None,
     search_dtype: str | None = None,
     backend: str | None = None,
+    swap_scope: str | None = None,
     weights: str | None = None,
     damp: float | None = None,
     guard: bool | None = None,
@@ -543,7 +551,8 @@ def build_spec(
         start: ``"magnitude"``, ``"wanda"``, ``"ria"``, ``"sparsegpt"``, ``"admm"`` or ``"alps"``; ``start_damp``
             (the start's own ridge) needs one of the last three.
         refine: ``"sparseswaps"``, ``"dsnot"`` or ``"none"``; ``max_iters``, ``eps``, ``objective``,
-            ``search_dtype``, ``backend`` need ``"sparseswaps"``.
+            ``search_dtype``, ``backend``, ``swap_scope`` (``"row"``: :attr:`SwapRefine.scope`) need
+            ``"sparseswaps"``.
         weights: ``"keep"``, ``"ls"`` (direct least squares), ``"cg"`` (least squares by conjugate gradients),
             ``"obs"`` (SparseGPT's update), ``"admm"``, ``"alps"`` (their updates on the final mask) or ``"start"``
             (the start's own weights); ``damp`` and ``guard`` need a weight update (``damp`` not with ``"start"``);
@@ -592,6 +601,7 @@ def build_spec(
         "objective": objective,
         "search_dtype": search_dtype,
         "backend": backend,
+        "swap_scope": swap_scope,
     }
     swap_options = {k: v for k, v in swap_options.items() if v is not None}
     if swap_options:
@@ -600,7 +610,8 @@ def build_spec(
                 f"{_options_of(swap_options)} refine='sparseswaps', but refine is {refine_stage.name!r}: drop "
                 "them or refine with sparseswaps"
             )
-        refine_stage = dataclasses.replace(refine_stage, **swap_options)
+        fields_ = {"scope" if k == "swap_scope" else k: v for k, v in swap_options.items()}
+        refine_stage = dataclasses.replace(refine_stage, **fields_)
     # weights
     weights_stage = base.weights
     if weights is not None and weights != weights_stage.name:

@@ -1,5 +1,7 @@
 """The per-layer seam: prune_layer composes the stages exactly as the stage functions do."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -180,3 +182,19 @@ def test_published_methods_keep_their_own_weights(start):
         swapped = prune_layer(weight, acc.gram, spec)
         update = (admm_update if start == "admm" else alps_update)(weight, acc.gram, swapped.keep_mask)
         assert torch.equal(swapped.weight, update)
+
+
+@pytest.mark.parametrize("objective", ["mask", "refit"])
+def test_row_swaps_after_a_layer_wise_start(objective):
+    weight, acc, _ = problem(seed=7)
+    spec = build_spec(start="admm", scope="layer", swap_scope="row", objective=objective, max_iters=4)
+    out = prune_layer(weight, acc.gram, spec)
+    start = admm_prune(weight, acc.gram, sparsity=0.6, scope="layer").keep_mask
+    assert torch.equal(out.start_mask, start) and len(set(start.sum(1).tolist())) > 1  # rows keep unequal counts
+    fit = {"damp": 0.1, "ridge": "diag"} if objective == "refit" else {}
+    refined = refine_mask(weight, acc.gram, start, max_iters=4, objective=objective, scope="row", **fit)
+    assert torch.equal(out.keep_mask, refined.mask) and out.n_swaps.sum() > 0
+    assert torch.equal(out.keep_mask.sum(1), start.sum(1))  # every row keeps the start's count
+    layer_moves = dataclasses.replace(spec, refine=dataclasses.replace(spec.refine, scope=None))
+    moved = prune_layer(weight, acc.gram, layer_moves)  # moves between rows: only the layer's total is kept
+    assert moved.keep_mask.sum() == start.sum() and not torch.equal(moved.keep_mask.sum(1), start.sum(1))

@@ -41,6 +41,7 @@ def test_default_spec():
         build_spec(refine="none", weights="cg", guard=False, damp=0.0),
         build_spec(objective="refit", max_iters=3, search_dtype="float64", backend="torch", eps=1e-6),
         build_spec(ridge="diag", weights="cg"),
+        build_spec(start="admm", scope="layer", swap_scope="row", objective="refit"),
     ],
 )
 def test_json_round_trip(spec):
@@ -88,6 +89,8 @@ def test_build_spec_switches_stages_and_keeps_the_rest():
         ({"ridge": "l2"}, ValueError, "ridge must be one of mean, diag"),
         ({"weights": "obs", "ridge": "diag"}, ValueError, "ridge is an option of weights='ls' or 'cg'"),
         ({"weights": "keep", "ridge": "mean"}, ValueError, "ridge is an option of weights='ls' or 'cg'"),
+        ({"swap_scope": "layer"}, ValueError, "swap scope must be one of row; got 'layer'"),
+        ({"refine": "dsnot", "swap_scope": "row"}, ValueError, "swap_scope is an option of refine='sparseswaps'"),
     ],
 )
 def test_meaningless_or_bad_options_are_refused(kwargs, error, match):
@@ -103,6 +106,13 @@ def test_ridge_takes_its_own_default_damp_unless_given():
     assert build_spec(damp=0.05, ridge="mean").weights.damp == 0.05
     assert build_spec(build_spec(ridge="mean"), max_iters=3).weights.damp == 1e-3  # kept when ridge is unchanged
     assert build_spec(build_spec(ridge="mean"), ridge="diag").weights.damp == 0.1
+
+
+def test_swap_scope_row_under_a_layer_budget():
+    spec = build_spec(start="admm", scope="layer", swap_scope="row")
+    assert spec.refine == SwapRefine(scope="row") and spec.budget.scope == "layer"
+    assert spec.describe() == "60% per layer: admm -> sparseswaps T=25 (mask) (within rows) -> ls (diag ridge 0.1)"
+    assert PruneSpec.from_dict({**DEFAULT_SPEC.to_dict(), "refine": {"kind": "sparseswaps"}}) == DEFAULT_SPEC
 
 
 def test_stages_are_type_checked():

@@ -50,6 +50,8 @@ def test_cli_and_python_defaults_build_the_same_job():
     assert given.prune.spec == build_spec(weights="keep", max_iters=7)
     ridge = job_config(build_parser().parse_args(["prune", "--out", "x", "--ridge", "diag"]))
     assert ridge.prune.spec == build_spec(ridge="diag") and ridge.prune.spec.weights.damp == 0.1
+    shards = job_config(build_parser().parse_args(["prune", "--out", "x", "--calib-shards", "4"]))
+    assert shards == JobConfig(prune=PruneOptions(calib_shards=4))
 
 
 def test_cli_errors_are_one_line(tmp_path, capsys):
@@ -64,6 +66,10 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
     assert "guard" in capsys.readouterr().err
     assert main(["prune", "--objective", "refit", "--weights", "cg", "--out", str(tmp_path / "x")]) == 2
     assert "LeastSquares(solver='direct')" in capsys.readouterr().err
+    assert main(["prune", "--calib-shards", "0", "--out", str(tmp_path / "x")]) == 2
+    assert "calib_shards must be a positive int" in capsys.readouterr().err
+    assert main(["prune", "--nsamples", "4", "--calib-shards", "2", "--out", str(tmp_path / "x")]) == 2
+    assert "calib_shards=2" in capsys.readouterr().err  # 4 windows in batches of 4 make one batch
     assert not (tmp_path / "x").exists()
     with pytest.raises(SystemExit):
         main(["prune", "--nm", "2-4", "--out", str(tmp_path / "y")])
