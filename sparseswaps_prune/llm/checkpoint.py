@@ -13,6 +13,13 @@ replacing ``progress.json`` (the commit point), then deleting block ``k``'s inpu
 leaves either the old marker with its files intact or the new one with its files intact; files that no marker
 names (an interrupted write, ``*.tmp``) are removed on the next start. A restart with a different model, dtype,
 calibration data or options stops with a :class:`CheckpointMismatch` naming what differs.
+
+**Ranks** (``torch.distributed``, a directory every rank sees). Every rank holds the same weights after a block but
+only its own calibration windows (``calib_shards``), so each writes its own inputs, ``inputs_<key>_r<rank>_{k+1}.pt``,
+and rank 0 the block file; after a barrier rank 0 commits the marker, which names every rank's files, and removes
+the old ones; a second barrier lets no rank run ahead of the commit. A rank killed anywhere fails the run on every
+rank (their next collective call errors), and a restart with the same number of ranks resumes from the last
+committed block on every rank; the number of ranks is part of the fingerprint.
 """
 
 from __future__ import annotations
@@ -255,6 +262,16 @@ def remove_strays(state: Path, progress: dict[str, Any] | None) -> None:
             _remove(path)
 
 
+def _input_slot(key: str, rank: int | None) -> str:
+    """The marker's name for a token set's inputs: ``key`` in one process (``rank`` None), ``key.rank<r>``."""
+    return key if rank is None else f"{key}.rank{rank}"
+
+
+def _input_file(key: str, block: int, rank: int | None) -> str:
+    """The file of a token set's inputs to ``block``: ``inputs_<key>_<block>.pt``, ``inputs_<key>_r<rank>_...``."""
+    return f"inputs_{key}_{block:04d}.pt" if rank is None else f"inputs_{key}_r{rank}_{block:04d}.pt"
+
+
 @dataclass
 class Resumed:
     """A checkpoint to continue from: the next block's index and inputs; :meth:`blocks` yields the finished
@@ -271,9 +288,10 @@ class Resumed:
             yield index, torch.load(self.state / name, weights_only=True)
 
 
-def load(state: str | Path, current: Fingerprint) -> Resumed | None:
+def load(state: str | Path, current: Fingerprint, ranks: Any = None) -> Resumed | None:
     """The checkpoint in ``state`` to continue from, or None if there is none (files of an interrupted first
-    block are removed). Raises :class:`CheckpointMismatch` if it belongs to another run, or is incomplete."""
+    block are removed). With ``ranks`` (:class:`~sparseswaps_prune.llm.distributed.Ranks`), this rank's inputs.
+    Raises :class:`CheckpointMismatch` if it belongs to another run, or is incomplete."""
     state = Path(state)
     if not check(state, current):
         remove_strays(state, None)
@@ -288,7 +306,9 @@ def load(state: str | Path, current: Fingerprint) -> Resumed | None:
         )
     remove_strays(state, progress)
     next_block = int(progress["next_block"])
-    inputs = {key: BlockInputs.load(state / name) for key, name in sorted(progress["inputs"].items())}
+    own = {_input_slot(key, None if ranks is None else ranks.rank): key for key in ("fit", "holdout")}
+    inputs = {own[slot]: BlockInputs.load(state / name) for slot, name in sorted(progress["inputs"].items())
+              if slot in own}  # fmt: skip
     for key, part in inputs.items():
         if part.block_index != next_block:
             raise CheckpointMismatch(
@@ -307,41 +327,55 @@ def save_block(
     layers: list[Any],
     result: Any,
     reports: list[Any],
+    ranks: Any = None,
 ) -> None:
     """Record block ``index`` as finished: its masks (and re-fitted and dense weights, and reports, from the
     pipeline's ``result``), the next block's ``inputs``, then the progress marker (the commit point), then
-    delete what the previous marker named and this one does not."""
+    delete what the previous marker named and this one does not. With ``ranks``
+    (:class:`~sparseswaps_prune.llm.distributed.Ranks`) every rank calls this: each writes its own inputs, rank 0
+    the block and the marker (see the module docstring)."""
     state = Path(state)
     names = [layer.name for layer in layers]
     by_name = {layer.name: layer for layer in layers}
     refitted = {r.name: by_name[r.name].dense_weight_2d().cpu() for r in reports if r.updated_rows is not None}
+    main = ranks is None or ranks.is_main
     block_file = f"block_{index:04d}.pt"
-    input_files = {key: f"inputs_{key}_{index + 1:04d}.pt" for key in sorted(inputs)}
+    rank = None if ranks is None else ranks.rank
+    every_rank = [None] if ranks is None else range(ranks.world_size)
+    all_inputs = {_input_slot(key, r): _input_file(key, index + 1, r) for key in sorted(inputs) for r in every_rank}
+    own_files = {key: _input_file(key, index + 1, rank) for key in sorted(inputs)}
     progress = {
         "format": FORMAT,
         "fingerprint": current.to_dict(),
         "next_block": index + 1,
         "blocks": [f"block_{i:04d}.pt" for i in range(index + 1)],
-        "inputs": input_files,
+        "inputs": all_inputs,
     }
     try:
-        save_torch(
-            {
-                "masks": {n: result.masks[n] for n in names},
-                "warmstart": {n: result.warmstart_masks[n] for n in names},
-                "weights": refitted,
-                "dense": {n: result.dense_weights[n] for n in names if n in result.dense_weights},
-                "reports": [asdict(r) for r in reports],
-            },
-            state / block_file,
-        )
+        if main:
+            save_torch(
+                {
+                    "masks": {n: result.masks[n] for n in names},
+                    "warmstart": {n: result.warmstart_masks[n] for n in names},
+                    "weights": refitted,
+                    "dense": {n: result.dense_weights[n] for n in names if n in result.dense_weights},
+                    "reports": [asdict(r) for r in reports],
+                },
+                state / block_file,
+            )
         for key, part in sorted(inputs.items()):
-            part.save(state / input_files[key])
-        save_json(progress, state / PROGRESS)
+            part.save(state / own_files[key])
+        if ranks is not None:
+            ranks.barrier()  # every rank's files are written
+        if main:
+            save_json(progress, state / PROGRESS)
     except Exception:
         # e.g. a full disk: free what this uncommitted block wrote (no marker names it). An interrupt leaves it,
         # as a kill would; the next start removes it.
-        for name in (block_file, *input_files.values()):
+        for name in ([block_file] if main else []) + list(own_files.values()):
             _remove(state / name)
         raise
-    remove_strays(state, progress)
+    if main:
+        remove_strays(state, progress)
+    if ranks is not None:
+        ranks.barrier()  # no rank runs ahead of the commit

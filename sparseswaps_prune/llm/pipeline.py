@@ -214,14 +214,17 @@ def prune_model(
             (:mod:`~sparseswaps_prune.llm.distributed`), so every rank ends with the same weights and result as
             one process would. With ``options.calib_shards > 1`` the windows are divided too: each rank captures
             and forwards only its own shards' windows, and the shards' Grams are summed in shard order on every
-            rank. Progress is shown on rank 0 only. Not combined with ``checkpoint_dir`` yet.
+            rank. Progress is shown on rank 0 only. With ``checkpoint_dir`` (one directory all ranks see) each rank
+            records its own inputs and rank 0 the blocks (:mod:`~sparseswaps_prune.llm.checkpoint`); a run stopped
+            anywhere resumes with the same number of ranks to the same result.
 
     Returns:
         :class:`PruneResult` (reports for every layer, including those of resumed blocks).
 
     Raises:
-        ValueError: bad options or layer widths, ``checkpoint_dir`` with ``distributed``, or ``options.calib_shards``
-            that does not fit the windows or the ranks (naming the fix).
+        ValueError: bad options or layer widths, or ``options.calib_shards`` that does not fit the windows or the
+            ranks (naming the fix); :class:`~sparseswaps_prune.llm.checkpoint.CheckpointMismatch` for a checkpoint
+            of another run (another model, data, options or number of ranks).
     """
     options.validate()
     start = time.perf_counter()
@@ -229,15 +232,14 @@ def prune_model(
     blocks_name, blocks = find_blocks(model, options.blocks_path)
     device = check_device(device)
     ranks = Ranks.current() if distributed else None
-    if ranks is not None and checkpoint_dir is not None:
-        raise ValueError("checkpoint_dir cannot be combined with distributed=True yet; leave one out")
     shards = window_shards(options, calib_tokens, holdout_tokens, batch_size, ranks)
     progress = progress and (ranks is None or ranks.is_main)
     state = Path(checkpoint_dir) if checkpoint_dir is not None else None
     result, first_block, inputs = PruneResult(), 0, None
     if state is not None:
-        fingerprint = checkpoint.fingerprint(model, options, calib_tokens, holdout_tokens, keep_dense=keep_dense)
-        resumed = checkpoint.load(state, fingerprint)
+        settings = {"keep_dense": keep_dense} | ({} if ranks is None else {"world_size": ranks.world_size})
+        fingerprint = checkpoint.fingerprint(model, options, calib_tokens, holdout_tokens, **settings)
+        resumed = checkpoint.load(state, fingerprint, ranks)
         if resumed is not None:
             first_block, inputs = resumed.next_block, resumed.inputs
             _restore(resumed, blocks, blocks_name, options, result, keep_dense)
@@ -252,7 +254,7 @@ def prune_model(
         )
         result.layers.extend(reports)
         if state is not None:
-            checkpoint.save_block(state, fingerprint, index, inputs, layers, result, reports)
+            checkpoint.save_block(state, fingerprint, index, inputs, layers, result, reports, ranks)
         if reports:
             bar.set_postfix(reduction=f"{sum(r.reduction for r in reports) / len(reports):.1%}")
     result.seconds = time.perf_counter() - start

@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM
 from sparseswaps_prune.core.gram import GramAccumulator
 from sparseswaps_prune.core.spec import build_spec
 from sparseswaps_prune.llm.capture import BlockInputs, capture_block_inputs
+from sparseswaps_prune.llm.checkpoint import CheckpointMismatch
 from sparseswaps_prune.llm.distributed import WindowShards, sum_shard_grams
 from sparseswaps_prune.llm.job import JobConfig
 from sparseswaps_prune.llm.layers import find_blocks
@@ -204,3 +205,65 @@ def test_ranks_with_shards_equal_one_process_with_the_same_shards(tmp_path, worl
         model.save_pretrained(tmp_path / "one", max_shard_size=SHARD)
         one, streamed = tensors(tmp_path / "one"), tensors(tmp_path / "stream")
         assert one.keys() == streamed.keys() and all(torch.equal(one[k], v) for k, v in streamed.items())
+
+
+def _resume_worker(rank: int, world_size: int, tmp: str, crash: bool) -> None:
+    """Prune with a checkpoint directory; with ``crash``, rank 1 dies (``os._exit``) in the middle of recording
+    block 1, after writing its own inputs and before the commit."""
+    import datetime
+    import os
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous{int(crash)}", rank=rank,
+                            world_size=world_size, timeout=datetime.timedelta(seconds=60))  # fmt: skip
+    save = BlockInputs.save
+    if crash and rank == 1:
+
+        def dying_save(self: BlockInputs, path: Path) -> None:
+            save(self, path)
+            if self.block_index == 2:
+                os._exit(1)
+
+        BlockInputs.save = dying_save
+    try:
+        model = AutoModelForCausalLM.from_pretrained(f"{tmp}/src").eval()
+        with spy_forwards() as seen:
+            result = prune_model(model, calib(), options(2), progress=False, batch_size=2, distributed=True,
+                                 holdout_tokens=calib(N_HOLDOUT, seed=1), checkpoint_dir=f"{tmp}/ckpt")  # fmt: skip
+        finalize(model)
+        blocks = sorted({block for block, _ in seen})
+        torch.save({"state": model.state_dict(), "layers": result.layers, "blocks": blocks}, f"{tmp}/rank{rank}.pt")
+    finally:
+        BlockInputs.save = save
+        dist.destroy_process_group()
+
+
+def test_ranks_with_a_checkpoint_survive_a_killed_rank_and_resume(tmp_path):
+    tiny_model("llama", num_hidden_layers=3).save_pretrained(tmp_path / "src", max_shard_size=SHARD)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "src").eval()
+    result = prune_model(
+        model, calib(), options(2), progress=False, batch_size=2, holdout_tokens=calib(N_HOLDOUT, seed=1)
+    )
+    finalize(model)
+    with pytest.raises(mp.ProcessExitedException):  # rank 1 killed: the run fails on every rank
+        mp.spawn(_resume_worker, args=(2, str(tmp_path), True), nprocs=2, join=True)
+    progress = (tmp_path / "ckpt" / "progress.json").read_text()
+    assert '"next_block": 1' in progress and "inputs_fit_r1_0001.pt" in progress  # block 0 committed, 1 not
+    mp.spawn(_resume_worker, args=(2, str(tmp_path), False), nprocs=2, join=True)
+    for rank in range(2):
+        out = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
+        assert out["blocks"] == [1, 2]  # resumed: block 0 was not run again
+        assert all(torch.equal(out["state"][k], v) for k, v in model.state_dict().items())
+        assert timeless(out["layers"]) == timeless(result.layers)
+    files = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
+    assert [f for f in files if f.startswith("inputs_")] == [
+        f"inputs_{key}_r{r}_0003.pt" for key in ("fit", "holdout") for r in range(2)
+    ]
+    # the checkpoint of 2 ranks is not resumed by one process (or another number of ranks), before anything runs
+    fresh = AutoModelForCausalLM.from_pretrained(tmp_path / "src").eval()
+    with pytest.raises(CheckpointMismatch, match="world_size"):
+        prune_model(fresh, calib(), options(2), progress=False, batch_size=2, holdout_tokens=calib(N_HOLDOUT, seed=1),
+                    checkpoint_dir=tmp_path / "ckpt")  # fmt: skip
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == files
