@@ -68,18 +68,45 @@ def job_config(args: argparse.Namespace) -> JobConfig:
 
 _JOB_FIELDS = (
     "model", "gguf_file", "calib", "nsamples", "seqlen", "holdout", "eval", "eval_windows", "device", "dtype", "seed",
-    "batch_size", "blockwise",
+    "batch_size", "blockwise", "distributed",
 )  # fmt: skip
 
 
 def _prune(args: argparse.Namespace) -> int:
-    from sparseswaps_prune.llm.job import run_job, summary
+    from sparseswaps_prune.llm.job import run_job
 
     config = job_config(args)
     if args.eval == "none" or (args.blockwise and args.eval is None):  # block-wise runs do not evaluate
         config.eval = None
     config.eval_warmstart = not args.no_eval_warmstart
+    if config.distributed:
+        return _prune_distributed(config, args)
     report = run_job(config, args.out, progress=not (args.quiet or args.json_log))
+    _print_report(report, args)
+    return 0
+
+
+def _prune_distributed(config: JobConfig, args: argparse.Namespace) -> int:
+    """``--distributed``: this process is one rank launched by torchrun; rank 0 prints the report."""
+    import torch.distributed as dist
+
+    from sparseswaps_prune.llm.distributed import init_from_env
+    from sparseswaps_prune.llm.job import run_job
+
+    config.validate()  # bad options fail before the process group waits for its peers
+    ranks = init_from_env(config.device)
+    try:
+        report = run_job(config, args.out, progress=not (args.quiet or args.json_log))
+    finally:
+        dist.destroy_process_group()
+    if ranks.is_main:
+        _print_report(report, args)
+    return 0
+
+
+def _print_report(report: dict, args: argparse.Namespace) -> None:
+    from sparseswaps_prune.llm.job import summary
+
     if args.json_log:
         print(json.dumps({k: report[k] for k in ("totals", "perplexity", "seconds")}))
     elif args.quiet:
@@ -90,7 +117,6 @@ def _prune(args: argparse.Namespace) -> int:
     else:
         print(summary(report))
         print(f"saved to {args.out} (load with AutoModelForCausalLM.from_pretrained({str(args.out)!r}))")
-    return 0
 
 
 def _eval(args: argparse.Namespace) -> int:
@@ -257,6 +283,12 @@ def _add_prune_options(p: argparse.ArgumentParser) -> None:
         help="read, prune and write one decoder block at a time from a local safetensors --model (never the whole "
         "model in memory; no evaluation, no resume)",
     )
+    run.add_argument(
+        "--distributed", action="store_true", default=None,
+        help="this process is one rank launched by torchrun (torchrun --nproc-per-node N -m sparseswaps_prune.cli "
+        "prune --distributed ...): gloo on the CPU, NCCL on GPUs (one per rank); layers, and with --calib-shards "
+        "the calibration windows, are divided across the ranks; rank 0 evaluates and writes",
+    )  # fmt: skip
     run.add_argument("--out", required=True, help="output directory (resumes if it holds an unfinished run)")
     run.add_argument("--quiet", action="store_true", help="no progress bars, one summary line")
     run.add_argument("--json-log", action="store_true", help="JSON log lines on stderr, JSON summary on stdout")

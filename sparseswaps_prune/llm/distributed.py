@@ -25,6 +25,7 @@ GPUs, where the current CUDA device must be set per rank and the compute device 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -35,7 +36,34 @@ import torch.distributed as dist
 from sparseswaps_prune.core.gram import GramAccumulator
 from sparseswaps_prune.modules import PrunableLayer
 
-__all__ = ["Ranks", "WindowShards", "assign_layers", "sum_shard_grams"]
+__all__ = ["Ranks", "WindowShards", "assign_layers", "init_from_env", "sum_shard_grams"]
+
+# What torchrun (torch.distributed.run) sets for every process it launches.
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def init_from_env(device: str | torch.device = "cpu") -> Ranks:
+    """Initialise the default process group of a process launched by ``torchrun``: NCCL when ``device`` is a CUDA
+    device (each process on GPU ``LOCAL_RANK``, made the current device, so ``"cuda"`` means it), gloo otherwise.
+    A group already initialised is used as it is.
+
+    Raises:
+        ValueError: the process was not launched by torchrun (names the command).
+    """
+    if dist.is_available() and dist.is_initialized():
+        return Ranks.current()
+    missing = [name for name in TORCHRUN_ENV if name not in os.environ]
+    if missing or not dist.is_available():
+        raise ValueError(
+            f"distributed runs are launched by torchrun, which sets {', '.join(TORCHRUN_ENV)} ({', '.join(missing)} "
+            "missing here): run `torchrun --nproc-per-node N -m sparseswaps_prune.cli prune --distributed ...`, or "
+            "drop --distributed"
+        )
+    cuda = torch.device(device).type == "cuda"
+    if cuda:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl" if cuda else "gloo")
+    return Ranks.current()
 
 
 def assign_layers(layers: Sequence[PrunableLayer], world_size: int) -> list[int]:

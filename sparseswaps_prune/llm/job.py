@@ -27,7 +27,7 @@ from sparseswaps_prune.atomic import save_json
 from sparseswaps_prune.core.checks import check_device
 from sparseswaps_prune.llm import checkpoint
 from sparseswaps_prune.llm.data import check_source
-from sparseswaps_prune.llm.distributed import WindowShards
+from sparseswaps_prune.llm.distributed import Ranks, WindowShards
 from sparseswaps_prune.llm.pipeline import LayerReport, PruneOptions, finalize, masks_swapped, prune_model
 from sparseswaps_prune.llm.report import format_table, layer_rows, plot_stages, totals, write_csv
 
@@ -65,6 +65,13 @@ class JobConfig:
             ``sparseswaps eval``), and an interrupted run starts over (no per-block checkpoint). The saved
             tensors are those of the in-memory path, bit for bit; ``report.json`` adds ``memory`` (peak host
             memory, bytes written, time per block).
+        distributed: every rank of an initialised ``torch.distributed`` group (``torchrun``; the CLI's
+            ``--distributed`` initialises it, :func:`~sparseswaps_prune.llm.distributed.init_from_env`) runs the job
+            with the same config and ``out``: the layers of each block (and with ``prune.calib_shards`` the
+            calibration windows) are divided across the ranks, every rank ends with the same weights, and rank 0
+            alone evaluates and writes the outputs; the checkpoint records every rank's inputs, so a stopped run
+            resumes with the same number of ranks. The result is that of one process with the same
+            ``calib_shards``, bit for bit.
     """
 
     model: str | None = None
@@ -82,6 +89,7 @@ class JobConfig:
     seed: int = 0
     batch_size: int = 4
     blockwise: bool = False
+    distributed: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict (``from_dict`` inverts it)."""
@@ -111,7 +119,7 @@ class JobConfig:
             raise ValueError(f"seqlen must be at least 2 to evaluate perplexity, got {self.seqlen}; or set eval=None")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise TypeError(f"seed must be an int, got {self.seed!r}")
-        for name in ("eval_warmstart", "blockwise"):
+        for name in ("eval_warmstart", "blockwise", "distributed"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("model", "gguf_file", "calib", "eval"):
@@ -127,6 +135,12 @@ class JobConfig:
             WindowShards(self.holdout, self.batch_size, self.prune.calib_shards, what="held-out")
         if self.blockwise:
             self._check_blockwise()
+            if self.distributed:
+                raise ValueError(
+                    "blockwise=True (--blockwise) and distributed=True (--distributed) are not combined by the job; "
+                    "call sparseswaps_prune.llm.streaming.prune_checkpoint(..., distributed=True) from each rank, "
+                    "or drop one of them"
+                )
 
     def _check_blockwise(self) -> None:
         if self.model is None or self.gguf_file is not None or not os.path.isdir(os.path.expanduser(self.model)):
@@ -188,13 +202,16 @@ def run_job(config: JobConfig, out_dir: str | os.PathLike[str], *, progress: boo
     from sparseswaps_prune.llm.pipeline import check_layers
 
     config.validate()
+    ranks = Ranks.current() if config.distributed else None
+    main = ranks is None or ranks.is_main
     out = Path(out_dir)
     if (out / "report.json").exists():
         done = json.loads((out / "report.json").read_text())
         if done.get("config") != json.loads(json.dumps(config.to_dict())):
             raise ValueError(f"{out} already holds a finished run with other options; choose another --out")
         logger.info("%s already holds this finished run; nothing to do", out)
-        _remove_leftovers(out)  # of a run stopped right at its end
+        if main:
+            _remove_leftovers(out)  # of a run stopped right at its end
         return done
     check_out_dir(out)
     start = time.perf_counter()
@@ -230,9 +247,8 @@ def run_job(config: JobConfig, out_dir: str | os.PathLike[str], *, progress: boo
     # A checkpoint of another run (model, dtype, data, options) stops here, naming what differs, before the
     # dense evaluation; the dense perplexity is reused only if model, dtype, eval text and windows are the same.
     model_parts, keep_dense = checkpoint.model_parts(model), config.eval_warmstart and eval_tokens is not None
-    fingerprint = checkpoint.fingerprint(
-        model, config.prune, calib, holdout, known_model_parts=model_parts, keep_dense=keep_dense
-    )
+    settings = {"keep_dense": keep_dense} | ({} if ranks is None else {"world_size": ranks.world_size})
+    fingerprint = checkpoint.fingerprint(model, config.prune, calib, holdout, known_model_parts=model_parts, **settings)
     checkpoint.check(state, fingerprint)
     state.mkdir(parents=True, exist_ok=True)
     dense_key = model_parts | {
@@ -240,7 +256,7 @@ def run_job(config: JobConfig, out_dir: str | os.PathLike[str], *, progress: boo
         "seqlen": config.seqlen,
         "eval_windows": config.eval_windows,
     }
-    dense = _dense_perplexity(state / "dense.json", dense_key, ppl)
+    dense = _dense_perplexity(state / "dense.json", dense_key, ppl) if main else None
     result = prune_model(
         model,
         calib,
@@ -251,7 +267,10 @@ def run_job(config: JobConfig, out_dir: str | os.PathLike[str], *, progress: boo
         progress=progress,
         holdout_tokens=holdout,
         keep_dense=keep_dense,
+        distributed=config.distributed,
     )
+    if not main:  # every rank holds the pruned model; rank 0 evaluates and writes, the others wait for its report
+        return ranks.broadcast(None, src=0)
     refined = ppl()
     warm = None
     if config.eval_warmstart and eval_tokens is not None:
@@ -275,7 +294,7 @@ def run_job(config: JobConfig, out_dir: str | os.PathLike[str], *, progress: boo
     _, publish = _save_outputs(write_model, config, out)
     publish(report)
     _remove_leftovers(out)
-    return report
+    return report if ranks is None else ranks.broadcast(report, src=0)
 
 
 def _remove_leftovers(out: Path) -> None:

@@ -5,6 +5,10 @@ windows."""
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -267,3 +271,32 @@ def test_ranks_with_a_checkpoint_survive_a_killed_rank_and_resume(tmp_path):
         prune_model(fresh, calib(), options(2), progress=False, batch_size=2, holdout_tokens=calib(N_HOLDOUT, seed=1),
                     checkpoint_dir=tmp_path / "ckpt")  # fmt: skip
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == files
+
+
+def _cli(args: list[str], tmp: Path, ranks: int = 0) -> subprocess.CompletedProcess:
+    """``sparseswaps prune ...`` in a fresh process (one thread), or under torchrun with ``ranks`` processes."""
+    launch = [sys.executable, "-m", "sparseswaps_prune.cli"]
+    if ranks:
+        launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", "-m",
+                  "sparseswaps_prune.cli"]  # fmt: skip
+    env = os.environ | {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    return subprocess.run([*launch, *args], capture_output=True, text=True, env=env, cwd=tmp, timeout=600)
+
+
+def test_torchrun_job_equals_one_process(saved_tiny, tmp_path):
+    args = ["prune", "--model", str(saved_tiny), "--nsamples", "4", "--holdout", "2", "--batch-size", "1",
+            "--calib-shards", "2", "--seqlen", "32", "--eval-windows", "2", "--max-iters", "2", "--quiet"]  # fmt: skip
+    one = _cli([*args, "--out", str(tmp_path / "one")], tmp_path)
+    assert one.returncode == 0, one.stderr
+    two = _cli([*args, "--distributed", "--out", str(tmp_path / "two")], tmp_path, ranks=2)
+    assert two.returncode == 0, two.stderr
+    assert two.stdout.count("final layer loss") == 1  # rank 0 alone reports
+    a, b = tensors(tmp_path / "one"), tensors(tmp_path / "two")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], v) for k, v in b.items())
+    report_a, report_b = (json.loads((tmp_path / d / "report.json").read_text()) for d in ("one", "two"))
+    timeless_totals = [{k: v for k, v in r["totals"].items() if k != "seconds"} for r in (report_a, report_b)]
+    assert report_b["perplexity"] == report_a["perplexity"] and timeless_totals[0] == timeless_totals[1]
+    assert report_b["config"] == report_a["config"] | {"distributed": True}
+    assert not (tmp_path / "two" / ".sparseswaps_state").exists()
+    bad = _cli([*args, "--distributed", "--out", str(tmp_path / "bad")], tmp_path)  # not under torchrun
+    assert bad.returncode == 2 and "launched by torchrun" in bad.stderr and not (tmp_path / "bad").exists()
