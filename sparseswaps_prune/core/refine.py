@@ -254,7 +254,7 @@ class RefitRows:
         m: int | None,
         row_batch: int,
         cross: bool,
-        row_offset: int = 0,
+        row_index: torch.Tensor | None = None,
         engine: str = "torch",
     ) -> None:
         """Build the state from scratch (Cholesky, in row batches).
@@ -266,7 +266,7 @@ class RefitRows:
             row_batch: rows per Cholesky rebuild.
             cross: rows will trade weights (layer scope): every row gets a spare kept and pruned slot (more are
                 added when needed), and the whole state must fit in ``LAYER_STATE_BYTES``.
-            row_offset: layer index of row 0, for error messages.
+            row_index: ``[N]`` int64 layer indices of the rows, for error messages (default ``0 .. N - 1``).
             engine: ``"torch"`` (the reference, any device) or ``"numba"`` (compiled, CPU tensors only).
 
         Raises:
@@ -285,7 +285,8 @@ class RefitRows:
                 "limit (refine.LAYER_STATE_BYTES); use scope='row' (memory bounded by row_batch) or objective='mask'"
             )
         self.w64, self.keep, self.gram64, self.lam, self.m = w64, keep, gram64, lam, m
-        self.row_batch, self.row_offset, self.numba = row_batch, row_offset, engine == "numba"
+        self.row_batch, self.numba = row_batch, engine == "numba"
+        self.row_index = (torch.arange(rows) if row_index is None else row_index.cpu()).to(w64.device)
         self.pivot_floor = rs.pivot_floor(gram64, lam)
         self.rounding = rs.ACCEPT_RTOL * ((w64 @ gram64) * w64).sum(dim=1)
         if self.numba:
@@ -295,19 +296,19 @@ class RefitRows:
             self.state = _empty_state(rows, self.k_slots, self.q_slots, w64.device)
             self.resync(torch.arange(rows, device=w64.device))
         else:  # one row batch: build it in one go, no copy
-            self.state = rs.build_state(w64, keep, gram64, lam, self.k_slots, self.q_slots, row_offset=row_offset)
+            self.state = rs.build_state(w64, keep, gram64, lam, self.k_slots, self.q_slots, row_offset=self.row_index)
         self.fitted_before = self.fitted()
 
     def resync(self, rows: torch.Tensor) -> None:
         """Rebuild the state of ``rows`` (``[n]`` int64) from scratch (Cholesky), in row batches, in place."""
         if self.numba:
-            self.state.build(rows, row_offset=rows + self.row_offset)
+            self.state.build(rows, row_offset=self.row_index[rows])
             return
         for r0 in range(0, rows.numel(), self.row_batch):
             sub = rows[r0 : r0 + self.row_batch]
             fresh = rs.build_state(
                 self.w64[sub], self.keep[sub], self.gram64, self.lam, self.k_slots, self.q_slots,
-                row_offset=sub + self.row_offset,
+                row_offset=self.row_index[sub],
             )  # fmt: skip
             self.state.assign(sub, fresh)
 
@@ -615,27 +616,35 @@ def refine_mask(
     mask = keep_mask.detach().clone()
     n_swaps = torch.zeros(d_out, dtype=torch.long)
     iters = 0
-    # the row scope runs the loop per row batch (rows are independent); the layer scope on all rows at once
-    for r0 in range(0, d_out, batch if scope == "row" else max(1, d_out)):
-        rows = slice(r0, min(d_out, r0 + (batch if scope == "row" else d_out)))
-        w64 = weight[rows].detach().to(device=compute, dtype=torch.float64)
-        keep = mask[rows].to(compute)
+    # The row scope runs the loop per row batch (rows are independent); the layer scope on all rows at once. The
+    # re-fit state of a batch is padded to its largest kept and pruned counts, so rows are batched in descending
+    # order of their kept counts (stable: per-row masks keep their order): with per-layer masks (ADMM, ALPS,
+    # --scope layer) the counts vary widely, and padding every batch to the extremes costs up to several times more.
+    step = batch if scope == "row" else max(1, d_out)
+    order = torch.arange(d_out)
+    if refit and scope == "row":
+        order = torch.sort(keep_mask.sum(dim=1).cpu(), descending=True, stable=True).indices
+    for r0 in range(0, d_out, step):
+        rows = order[r0 : r0 + step]
+        w64 = weight[rows.to(weight.device)].detach().to(device=compute, dtype=torch.float64)
+        keep = mask[rows.to(mask.device)].to(compute)
         if refit:
             m = nm[1] if nm is not None else None
             model = RefitRows(
-                w64, keep, gram_fit, lam=lam, m=m, row_batch=batch, cross=scope == "layer", row_offset=r0, engine=engine
-            )
+                w64, keep, gram_fit, lam=lam, m=m, row_batch=batch, cross=scope == "layer", row_index=rows,
+                engine=engine,
+            )  # fmt: skip
         else:
             model = MaskRows(w64, keep, gram64, gram_search, search=search, nm=nm, row_batch=batch)
         floor = eps + model.rounding
         planner = RowPlanner(floor.cpu()) if scope == "row" else LayerPlanner(float(floor.max()))
         moves, batch_iters = iterate(model, planner, max_iters=max_iters, resync_every=resync_every)
-        mask[rows] = keep.to(mask.device)
+        mask[rows.to(mask.device)] = keep.to(mask.device)
         n_swaps[rows] = moves
         iters = max(iters, batch_iters)
         if refit:
-            fitted_before[rows] = model.fitted_before
-            fitted[rows] = model.fitted()
+            fitted_before[rows.to(compute)] = model.fitted_before
+            fitted[rows.to(compute)] = model.fitted()
     result = RefineResult(
         mask=mask,
         loss_before=_mask_losses(weight, gram64, keep_mask),

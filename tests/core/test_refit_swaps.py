@@ -3,6 +3,7 @@ import torch
 
 from sparseswaps_prune import refine_mask, refit_weights, row_losses, warmstart_mask
 from sparseswaps_prune.core import refit_swaps as rs
+from sparseswaps_prune.core.refine import RefitRows
 from sparseswaps_prune.core.refit import damping
 from tests.core.reference import (
     brute_best_swap_of,
@@ -187,6 +188,28 @@ def test_row_batches_resync_and_unequal_counts():
     assert torch.equal(zero.refit_loss_before, zero.refit_loss_after)
 
 
+def test_refit_row_batches_are_padded_to_their_own_counts(monkeypatch):
+    weight, gram = layer_problem(9, 24, seed=9)
+    keep = warmstart_mask(weight, "wanda", sparsity=0.5, gram=gram, scope="layer")  # unequal row counts
+    seen, init = [], RefitRows.__init__
+
+    def spy(self, *args, row_index=None, **kwargs):
+        init(self, *args, row_index=row_index, **kwargs)
+        seen.append((row_index.tolist(), self.k_slots, self.q_slots))
+
+    monkeypatch.setattr(RefitRows, "__init__", spy)
+    batched = refine_mask(weight, gram, keep, max_iters=5, objective="refit", row_batch=2)
+    counts = keep.sum(1)
+    order = [r for rows, _, _ in seen for r in rows]
+    assert sorted(order) == list(range(9)) and counts[order].tolist() == sorted(counts.tolist(), reverse=True)
+    assert len(set(counts.tolist())) > 2
+    for rows, k_slots, q_slots in seen:  # each batch padded to its own largest kept and pruned counts
+        assert k_slots == int(counts[rows].max()) and q_slots == 24 - int(counts[rows].min())
+    monkeypatch.undo()
+    whole = refine_mask(weight, gram, keep, max_iters=5, objective="refit")
+    assert torch.equal(whole.mask, batched.mask) and torch.equal(whole.n_swaps, batched.n_swaps)
+
+
 def test_zero_weights_are_never_restored():
     weight, gram = layer_problem(4, 16, seed=2)
     weight[:, :4] = 0.0
@@ -206,6 +229,10 @@ def test_errors_name_the_rows_and_the_fix():
         refine_mask(weight, gram, keep, objective="refit", damp=0.0)
     with pytest.raises(ValueError, match=r"singular for rows \[2\]"):  # layer row indices, batch by batch
         refine_mask(weight, gram, keep, objective="refit", damp=0.0, row_batch=1)
+    more = keep.clone()
+    more[3, 1] = True  # row 3 keeps the most inputs: its batch comes first
+    with pytest.raises(ValueError, match=r"singular for rows \[3\]"):
+        refine_mask(weight, gram, more, objective="refit", damp=0.0, row_batch=1)
     assert refine_mask(weight, gram, keep, objective="refit", damp=0.01).weight.isfinite().all()
     bad = weight.clone()
     bad[1, 3] = float("nan")
