@@ -5,12 +5,13 @@ from sparseswaps_prune.core.layer import LayerOutcome, prune_layer
 from sparseswaps_prune.core.losses import row_losses
 from sparseswaps_prune.core.refine import RefineResult, refine_mask
 from sparseswaps_prune.core.refit import refit_weights
-from sparseswaps_prune.core.spec import DEFAULT_SPEC, PruneSpec, build_spec
+from sparseswaps_prune.core.spec import DEFAULT_SPEC, RECIPES, PruneSpec, build_spec
 from sparseswaps_prune.core.warmstart import warmstart_mask
 from sparseswaps_prune.prune import SparseSwapsMethod, sparseswaps_unstructured
 
 __all__ = [
     "DEFAULT_SPEC",
+    "RECIPES",
     "GramAccumulator",
     "LayerOutcome",
     "PruneSpec",

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 from sparseswaps_prune.core.spec import (
     DEFAULT_SPEC,
     OBJECTIVES,
+    RECIPES,
     REFINES,
     SCOPES,
     SEARCH_BACKENDS,
@@ -53,10 +54,10 @@ def job_config(args: argparse.Namespace) -> JobConfig:
     from sparseswaps_prune.llm.pipeline import PruneOptions
 
     spec = build_spec(
-        sparsity=args.sparsity, nm=args.nm, scope=args.scope, start=args.start, start_damp=args.start_damp,
-        refine=args.refine, max_iters=args.max_iters, eps=args.eps, objective=args.objective,
-        search_dtype=args.search_dtype, backend=args.backend, swap_scope=args.swap_scope, weights=args.weights,
-        damp=args.damp, guard=args.guard, ridge=args.ridge,
+        RECIPES[args.recipe or "default"], sparsity=args.sparsity, nm=args.nm, scope=args.scope, start=args.start,
+        start_damp=args.start_damp, refine=args.refine, max_iters=args.max_iters, eps=args.eps,
+        objective=args.objective, search_dtype=args.search_dtype, backend=args.backend, swap_scope=args.swap_scope,
+        weights=args.weights, damp=args.damp, guard=args.guard, ridge=args.ridge,
     )  # fmt: skip
     options = PruneOptions(
         spec=spec, include=args.include, exclude=args.exclude, gram_dtype=args.gram_dtype,
@@ -183,6 +184,12 @@ def _add_prune_options(p: argparse.ArgumentParser) -> None:
     from sparseswaps_prune.llm.job import DEFAULT_HOLDOUT
 
     spec = DEFAULT_SPEC
+    p.add_argument(
+        "--recipe", choices=tuple(RECIPES),
+        help="start from a named spec, which the options below change (default: default; the defaults shown below are "
+        "its): alps-swaps (ALPS, then swaps under the re-fit objective and the re-fit: the best measured, several "
+        "times slower), paper (the paper's SparseSwaps, masks only), and the published wanda, sparsegpt, admm, alps",
+    )  # fmt: skip
     budget = p.add_argument_group("budget")
     pattern = budget.add_mutually_exclusive_group()
     pattern.add_argument("--sparsity", type=float, help=f"fraction pruned (default {spec.budget.sparsity})")

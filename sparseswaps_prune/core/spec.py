@@ -523,6 +523,33 @@ DEFAULT_SPEC = PruneSpec()
 (RESULTS.md)."""
 
 
+RECIPES: dict[str, PruneSpec] = {
+    "default": DEFAULT_SPEC,
+    # ALPS's layer-wise mask and weights, then swaps within rows under the re-fit objective (each accepted swap
+    # lowers the row's loss after its exact diag-ridge re-fit), then that re-fit: the lowest held-out layer loss
+    # measured (RESULTS.md), at several times the default's cost.
+    "alps-swaps": PruneSpec(
+        budget=Budget(sparsity=0.6, scope="layer"), start=ALPSStart(), refine=SwapRefine(objective="refit", scope="row")
+    ),
+    "paper": PruneSpec(refine=SwapRefine(max_iters=100), weights=KeepWeights()),  # arXiv 2512.10922: masks only
+    "wanda": PruneSpec(refine=NoRefine(), weights=KeepWeights()),
+    "sparsegpt": PruneSpec(
+        budget=Budget(sparsity=0.6, scope="layer"), start=SparseGPTStart(), refine=NoRefine(), weights=OBSUpdate()
+    ),
+    "admm": PruneSpec(
+        budget=Budget(sparsity=0.6, scope="layer"), start=ADMMStart(), refine=NoRefine(), weights=StartWeights()
+    ),
+    "alps": PruneSpec(
+        budget=Budget(sparsity=0.6, scope="layer"), start=ALPSStart(), refine=NoRefine(), weights=StartWeights()
+    ),
+}
+"""Named specs (``--recipe``), 60% unless changed: ``default`` (:data:`DEFAULT_SPEC`), ``alps-swaps`` (the best
+measured combination), ``paper`` (the paper's SparseSwaps: Wanda, T=100, masks only), and the published baselines
+``wanda``, ``sparsegpt``, ``admm`` and ``alps`` (layer-wise selection, their own weights). Any option changes them
+through :func:`build_spec`, e.g. ``build_spec(RECIPES["alps"], sparsity=0.7)``; with ``nm`` a layer-wise recipe
+selects per row (N:M fixes every row's count)."""
+
+
 def build_spec(
     base: PruneSpec = DEFAULT_SPEC,
     *,
@@ -547,7 +574,8 @@ def build_spec(
     method and the Lightning callback share.
 
     Args:
-        sparsity, nm, scope: the budget (``sparsity`` replaces ``nm`` and the other way round).
+        sparsity, nm, scope: the budget (``sparsity`` replaces ``nm`` and the other way round; ``nm`` without
+            ``scope`` selects per row, whatever ``base``'s scope).
         start: ``"magnitude"``, ``"wanda"``, ``"ria"``, ``"sparsegpt"``, ``"admm"`` or ``"alps"``; ``start_damp``
             (the start's own ridge) needs one of the last three.
         refine: ``"sparseswaps"``, ``"dsnot"`` or ``"none"``; ``max_iters``, ``eps``, ``objective``,
@@ -575,7 +603,7 @@ def build_spec(
         budget = Budget(
             sparsity=sparsity if sparsity is not None else (None if nm is not None else budget.sparsity),
             nm=nm if nm is not None else (None if sparsity is not None else budget.nm),
-            scope=scope if scope is not None else budget.scope,
+            scope=scope if scope is not None else "row" if nm is not None else budget.scope,
         )
     # start
     start_stage = base.start

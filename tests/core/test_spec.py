@@ -115,6 +115,24 @@ def test_swap_scope_row_under_a_layer_budget():
     assert PruneSpec.from_dict({**DEFAULT_SPEC.to_dict(), "refine": {"kind": "sparseswaps"}}) == DEFAULT_SPEC
 
 
+def test_recipes_are_specs_that_options_change():
+    from sparseswaps_prune import RECIPES
+
+    assert RECIPES["default"] is DEFAULT_SPEC
+    assert RECIPES["paper"].describe() == "60% per row: wanda -> sparseswaps T=100 (mask) -> keep"
+    assert RECIPES["admm"] == build_spec(start="admm", scope="layer", refine="none", weights="start")
+    assert RECIPES["alps-swaps"] == build_spec(start="alps", scope="layer", swap_scope="row", objective="refit")
+    assert RECIPES["alps-swaps"].weights == DEFAULT_SPEC.weights  # the re-fit objective's own re-fit
+    seventy = build_spec(RECIPES["alps"], sparsity=0.7)
+    assert seventy.budget == Budget(sparsity=0.7, scope="layer") and seventy.start == RECIPES["alps"].start
+    # N:M fixes every row's count: a layer-wise recipe selects per row, unless a scope is asked for
+    assert build_spec(RECIPES["sparsegpt"], nm=(2, 4)).budget == Budget(nm=(2, 4), scope="row")
+    with pytest.raises(ValueError, match="scope='layer' has no meaning"):
+        build_spec(RECIPES["sparsegpt"], nm=(2, 4), scope="layer")
+    for name, spec in RECIPES.items():
+        assert PruneSpec.from_dict(json.loads(json.dumps(spec.to_dict()))) == spec, name
+
+
 def test_stages_are_type_checked():
     with pytest.raises(TypeError, match="refine must be one of SwapRefine, DSnoTRefine, NoRefine"):
         PruneSpec(refine=LeastSquares())

@@ -9,7 +9,7 @@ import torch
 
 from sparseswaps_prune.callbacks import SparseSwapsPruning
 from sparseswaps_prune.cli import build_parser, job_config, main
-from sparseswaps_prune.core.spec import DEFAULT_SPEC, OBSUpdate, build_spec
+from sparseswaps_prune.core.spec import DEFAULT_SPEC, RECIPES, OBSUpdate, build_spec
 from sparseswaps_prune.llm.job import JobConfig
 from sparseswaps_prune.llm.pipeline import PruneOptions
 from sparseswaps_prune.prune import SparseSwapsMethod
@@ -50,6 +50,8 @@ def test_cli_and_python_defaults_build_the_same_job():
     assert given.prune.spec == build_spec(weights="keep", max_iters=7)
     ridge = job_config(build_parser().parse_args(["prune", "--out", "x", "--ridge", "diag"]))
     assert ridge.prune.spec == build_spec(ridge="diag") and ridge.prune.spec.weights.damp == 0.1
+    recipe = job_config(build_parser().parse_args(["prune", "--out", "x", "--recipe", "alps", "--sparsity", "0.7"]))
+    assert recipe.prune.spec == build_spec(RECIPES["alps"], sparsity=0.7)
     shards = job_config(build_parser().parse_args(["prune", "--out", "x", "--calib-shards", "4"]))
     assert shards == JobConfig(prune=PruneOptions(calib_shards=4))
 
