@@ -120,3 +120,18 @@ def test_prune_baselines_from_the_cli(saved_tiny, tmp_path, capsys, flags):
     if "obs" in flags:  # SparseGPT as published: no held-out windows, no guard unless asked for
         assert spec.weights == OBSUpdate() and config["holdout"] == 0
     assert json.loads((out / "report.json").read_text())["perplexity"]["refined"] > 1
+
+
+def test_recipe_alps_swaps_from_the_cli(saved_tiny, tmp_path, capsys):
+    """The best recipe end to end: ALPS's layer-wise mask, swaps within rows under the re-fit objective."""
+    out = tmp_path / "best"
+    args = ["prune", "--model", str(saved_tiny), "--nsamples", "2", "--seqlen", "32", "--eval-windows", "2",
+            "--recipe", "alps-swaps", "--max-iters", "3", "--out", str(out), "--json-log"]  # fmt: skip
+    assert main(args) == 0
+    totals = json.loads(capsys.readouterr().out)["totals"]
+    assert totals["n_swaps"] > 0 and totals["loss_final"] < totals["loss_start"]
+    report = json.loads((out / "report.json").read_text())
+    spec = PruneOptions.from_dict(report["config"]["prune"]).spec
+    assert spec == build_spec(RECIPES["alps-swaps"], max_iters=3)
+    rows = [layer for layer in report["layers"] if layer["name"].endswith("q_proj")]
+    assert rows and all(layer["sparsity"] == pytest.approx(0.6, abs=0.01) for layer in rows)  # the layer's budget
