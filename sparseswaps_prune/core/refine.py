@@ -605,9 +605,10 @@ def refine_mask(
     refit = objective == "refit"
     if refit:
         # ridge "diag" is plain least squares on the damped Gram G + damp diag(G): the search runs on it, undamped
-        gram_fit, lam = gram64, damping(gram64, damp)
         if ridge == "diag":
             gram_fit, lam = gram64 + torch.diag(damping(gram64, damp, ridge)), 0.0
+        else:
+            gram_fit, lam = gram64, damping(gram64, damp)
         fitted_before = torch.zeros(d_out, d_in, dtype=torch.float64, device=compute)
         fitted = torch.zeros_like(fitted_before)
     else:

@@ -28,7 +28,14 @@ from sparseswaps_prune.core.checks import check_device
 from sparseswaps_prune.llm import checkpoint
 from sparseswaps_prune.llm.data import check_source
 from sparseswaps_prune.llm.distributed import Ranks, WindowShards
-from sparseswaps_prune.llm.pipeline import LayerReport, PruneOptions, finalize, masks_swapped, prune_model
+from sparseswaps_prune.llm.pipeline import (
+    LayerReport,
+    PruneOptions,
+    checkpoint_settings,
+    finalize,
+    masks_swapped,
+    prune_model,
+)
 from sparseswaps_prune.llm.report import format_table, layer_rows, plot_stages, totals, write_csv
 
 logger = logging.getLogger(__name__)
@@ -247,7 +254,7 @@ def run_job(config: JobConfig, out_dir: str | os.PathLike[str], *, progress: boo
     # A checkpoint of another run (model, dtype, data, options) stops here, naming what differs, before the
     # dense evaluation; the dense perplexity is reused only if model, dtype, eval text and windows are the same.
     model_parts, keep_dense = checkpoint.model_parts(model), config.eval_warmstart and eval_tokens is not None
-    settings = {"keep_dense": keep_dense} | ({} if ranks is None else {"world_size": ranks.world_size})
+    settings = checkpoint_settings(keep_dense, ranks)
     fingerprint = checkpoint.fingerprint(model, config.prune, calib, holdout, known_model_parts=model_parts, **settings)
     checkpoint.check(state, fingerprint)
     state.mkdir(parents=True, exist_ok=True)

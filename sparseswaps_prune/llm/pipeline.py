@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from fnmatch import fnmatchcase
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -237,7 +238,7 @@ def prune_model(
     state = Path(checkpoint_dir) if checkpoint_dir is not None else None
     result, first_block, inputs = PruneResult(), 0, None
     if state is not None:
-        settings = {"keep_dense": keep_dense} | ({} if ranks is None else {"world_size": ranks.world_size})
+        settings = checkpoint_settings(keep_dense, ranks)
         fingerprint = checkpoint.fingerprint(model, options, calib_tokens, holdout_tokens, **settings)
         resumed = checkpoint.load(state, fingerprint, ranks)
         if resumed is not None:
@@ -259,6 +260,12 @@ def prune_model(
             bar.set_postfix(reduction=f"{sum(r.reduction for r in reports) / len(reports):.1%}")
     result.seconds = time.perf_counter() - start
     return result
+
+
+def checkpoint_settings(keep_dense: bool, ranks: Ranks | None) -> dict[str, Any]:
+    """The settings besides the options that a checkpoint's fingerprint records (``checkpoint.fingerprint``'s
+    ``**settings``): ``keep_dense``, and with ranks their number (each rank's inputs are its own)."""
+    return {"keep_dense": keep_dense} | ({} if ranks is None else {"world_size": ranks.world_size})
 
 
 def window_shards(
