@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from sparseswaps_prune.atomic import save_torch
+from sparseswaps_prune.llm.offload import execution_device
 
 logger = logging.getLogger(__name__)
 
@@ -341,12 +342,14 @@ def _cache_types() -> tuple[type, ...]:
 
 
 def _input_device(model: nn.Module) -> torch.device:
-    """Device of the input-embedding weights (where the token ids must go)."""
+    """Device of the input-embedding weights (where the token ids must go); for embeddings that accelerate offloads
+    (weights on ``meta``), the device their hook runs them on."""
     get_embeddings = getattr(model, "get_input_embeddings", None)
     embeddings = get_embeddings() if callable(get_embeddings) else None
     if isinstance(embeddings, nn.Module):
         for param in embeddings.parameters():
-            return param.device
+            offloaded = param.device.type == "meta"
+            return (execution_device(embeddings) if offloaded else None) or param.device
     return next(model.parameters()).device
 
 

@@ -28,7 +28,7 @@ from sparseswaps_prune.core.checks import check_budget, check_device, check_keep
 from sparseswaps_prune.core.gram import GramAccumulator
 from sparseswaps_prune.core.layer import LayerOutcome, prune_layer
 from sparseswaps_prune.core.spec import DEFAULT_SPEC, DSnoTRefine, PruneSpec
-from sparseswaps_prune.llm import checkpoint
+from sparseswaps_prune.llm import checkpoint, offload
 from sparseswaps_prune.llm.capture import BlockInputs, capture_block_inputs
 from sparseswaps_prune.llm.distributed import Ranks, WindowShards, assign_layers, sum_shard_grams
 from sparseswaps_prune.llm.layers import find_blocks, group_by_input
@@ -197,7 +197,10 @@ def prune_model(
     Args:
         model: a Hugging Face causal LM in eval mode, on the CPU (each block is moved to ``device`` while it
             is pruned, then back). Modified in place: pruned layers get ``weight_orig``/``weight_mask``
-            (call :func:`finalize` to make them permanent).
+            (call :func:`finalize` to make them permanent). A model with accelerate hooks (loaded with a
+            ``device_map``, CPU or disk offload included, or through ``cpu_offload``/``disk_offload``) works too: each
+            of its blocks is materialised on ``device`` and its pruned weights, made permanent there, go back where
+            accelerate keeps them (:mod:`~sparseswaps_prune.llm.offload`).
         calib_tokens: ``[n, seqlen]`` int64 calibration windows.
         options: :class:`PruneOptions`.
         device: compute device for blocks and refinement.
@@ -223,14 +226,16 @@ def prune_model(
         :class:`PruneResult` (reports for every layer, including those of resumed blocks).
 
     Raises:
-        ValueError: bad options or layer widths, or ``options.calib_shards`` that does not fit the windows or the
-            ranks (naming the fix); :class:`~sparseswaps_prune.llm.checkpoint.CheckpointMismatch` for a checkpoint
+        ValueError: bad options or layer widths, ``options.calib_shards`` that does not fit the windows or the
+            ranks, or ``checkpoint_dir`` or ``distributed`` with a model whose weights accelerate offloads (naming
+            the fix); :class:`~sparseswaps_prune.llm.checkpoint.CheckpointMismatch` for a checkpoint
             of another run (another model, data, options or number of ranks).
     """
     options.validate()
     start = time.perf_counter()
     check_layers(model, options)
     blocks_name, blocks = find_blocks(model, options.blocks_path)
+    offload.check_prunable(model, blocks, checkpoint=checkpoint_dir is not None, distributed=distributed)
     device = check_device(device)
     ranks = Ranks.current() if distributed else None
     shards = window_shards(options, calib_tokens, holdout_tokens, batch_size, ranks)
@@ -362,13 +367,21 @@ def _process_block(
 ) -> tuple[list[PrunableLayer], list[LayerReport], dict[str, BlockInputs]]:
     """One step of the block loop (also the out-of-core path's, :mod:`~sparseswaps_prune.llm.streaming`): move
     block ``index`` to ``device``, prune its layers into ``result``, run it to get the next block's inputs and move
-    it back to the CPU. ``inputs`` hold this rank's windows of ``shards`` (None: one shard, all windows). Returns
-    the block's layers, their reports and the next block's inputs (this rank's windows only)."""
-    block = blocks[index].to(device)
-    layers = find_layers(block, prefix=f"{blocks_name}.{index}", include=options.include, exclude=options.exclude)
-    reports = _prune_block(block, layers, inputs, options, device, result, index, progress, keep_dense, ranks, shards)
-    inputs = {key: part.run_block(block, device) for key, part in inputs.items()}
-    _to_cpu(blocks[index], layers)
+    it back to the CPU. A block with accelerate hooks (a ``device_map``) is materialised on ``device`` instead, and its
+    pruned weights, made permanent, go back where the hooks keep them: the offload storage or the block's own device
+    (:func:`~sparseswaps_prune.llm.offload.onloaded`). ``inputs`` hold this rank's windows of ``shards`` (None: one
+    shard, all windows). Returns the block's layers, their reports and the next block's inputs (this rank's windows
+    only)."""
+    dispatched = offload.is_dispatched(blocks[index])
+    block = blocks[index] if dispatched else blocks[index].to(device)
+    with offload.onloaded(block, device) if dispatched else contextlib.nullcontext():
+        layers = find_layers(block, prefix=f"{blocks_name}.{index}", include=options.include, exclude=options.exclude)
+        reports = _prune_block(
+            block, layers, inputs, options, device, result, index, progress, keep_dense, ranks, shards
+        )
+        inputs = {key: part.run_block(block, device) for key, part in inputs.items()}
+    if not dispatched:
+        _to_cpu(blocks[index], layers)
     return layers, reports, inputs
 
 
