@@ -13,8 +13,11 @@ import torch
 
 from sparseswaps_prune.core.checks import check_gram, check_int, check_mask, check_number, check_weight
 
-# Elements of the [rows, k, k] systems solved at once when the caller gives no row_batch (256 MiB float64).
-SYSTEM_ELEMENTS = 1 << 25
+# Elements of the [rows, k, k] systems solved at once when the caller gives no row_batch (16 MiB float64). Small
+# batches reuse the allocator's memory: with 256 MiB batches the fresh pages of the gathered systems and of the
+# factor cost as much as the Cholesky itself on the 2-core AMD host of BENCHMARKS.md (LS re-fit of a 1536 x 576 layer
+# 1.28 s -> 1.03 s, of a 576 x 1536 layer 4.24 s -> 2.89 s at 2^21; identical results, each row is solved alone).
+SYSTEM_ELEMENTS = 1 << 21
 # Default relative dampening of the re-fit. LLM activations have a few outlier features that dominate
 # mean(diag G), so lambda = 0.01 * mean(diag G) already shrinks the re-fit hard: on SmolLM2's layers 1e-2 gives
 # about 1.5x the held-out loss of 1e-3 to 1e-5 (RESULTS.md, benchmarks/layer_study.py).
@@ -117,7 +120,7 @@ def refit_weights(
         damp: relative dampening (0 allowed when every ``G_SS`` is positive definite); default
             ``RIDGE_DAMPS[ridge]`` (1e-3 for ``"mean"``, ADMM's 0.1 for ``"diag"``).
         ridge: ``"mean"`` or ``"diag"`` (above; the pipeline's default spec uses ``"diag"``).
-        row_batch: rows solved together (default bounds the ``[rows, k, k]`` systems to ~256 MiB for
+        row_batch: rows solved together (default bounds the ``[rows, k, k]`` systems to ~16 MiB for
             ``"direct"``; all rows at once for ``"cg"``).
         solver: ``"direct"`` or ``"cg"``.
         max_steps, tol: conjugate-gradient stopping rule (``"cg"`` only).
