@@ -30,10 +30,10 @@ def atomic_write(path: str | os.PathLike[str], write: Callable[[IO[bytes]], None
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
-def _fsync_dir(directory: Path) -> None:
+def fsync_dir(directory: Path) -> None:
     """Make a rename in ``directory`` durable (POSIX); a no-op where directories cannot be opened (Windows)."""
     try:
         fd = os.open(directory, os.O_RDONLY)

@@ -288,7 +288,7 @@ def _add_prune_options(p: argparse.ArgumentParser) -> None:
         action="store_true",
         default=None,
         help="read, prune and write one decoder block at a time from a local safetensors --model (never the whole "
-        "model in memory; no evaluation, no resume)",
+        "model in memory; no evaluation; an interrupted run resumes with the same command)",
     )
     run.add_argument(
         "--distributed", action="store_true", default=None,

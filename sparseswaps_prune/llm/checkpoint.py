@@ -14,6 +14,10 @@ leaves either the old marker with its files intact or the new one with its files
 names (an interrupted write, ``*.tmp``) are removed on the next start. A restart with a different model, dtype,
 calibration data or options stops with a :class:`CheckpointMismatch` naming what differs.
 
+The out-of-core path (:func:`~sparseswaps_prune.llm.streaming.prune_checkpoint`) records its blocks with the same
+layout and protocol (:func:`commit_block`); its block files hold the layer reports only, since the block's pruned
+weights are already in its output shards.
+
 **Ranks** (``torch.distributed``, a directory every rank sees). Every rank holds the same weights after a block but
 only its own calibration windows (``calib_shards``), so each writes its own inputs, ``inputs_<key>_r<rank>_{k+1}.pt``,
 and rank 0 the block file; after a barrier rank 0 commits the marker, which names every rank's files, and removes
@@ -106,16 +110,21 @@ def _tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.view(torch.uint8).numpy())
 
 
-def model_parts(model: nn.Module) -> dict[str, str]:
-    """What identifies a model's computation: ``model_config`` (hash of its config without paths, versions and
-    dtype; the class name without a config), ``model_weights`` (sha256 over every parameter's and buffer's name,
-    dtype, shape and bytes: about 1 s per GB) and ``dtype`` (the parameters' dtypes, e.g. ``"float32"``)."""
+def config_digest(model: nn.Module) -> str:
+    """Hash of the model's class and config without paths, versions and dtype (the ``model_config`` part); reads
+    no weights, so it works on a model whose parameters are on ``meta``."""
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "to_dict"):
         config_data = {k: v for k, v in config.to_dict().items() if k not in _CONFIG_IGNORED}
     else:
         config_data = {}
-    config_data = {"class": type(model).__name__, "config": to_plain(config_data)}
+    return _digest({"class": type(model).__name__, "config": to_plain(config_data)})
+
+
+def model_parts(model: nn.Module) -> dict[str, str]:
+    """What identifies a model's computation: ``model_config`` (hash of its config without paths, versions and
+    dtype; the class name without a config), ``model_weights`` (sha256 over every parameter's and buffer's name,
+    dtype, shape and bytes: about 1 s per GB) and ``dtype`` (the parameters' dtypes, e.g. ``"float32"``)."""
     h = hashlib.sha256()
     dtypes = set()
     for kind, named in (("p", model.named_parameters()), ("b", model.named_buffers())):
@@ -125,7 +134,7 @@ def model_parts(model: nn.Module) -> dict[str, str]:
             h.update(f"{kind}:{name}:{tensor.dtype}:{tuple(tensor.shape)};".encode())
             h.update(_tensor_bytes(tensor))
     return {
-        "model_config": _digest(config_data),
+        "model_config": config_digest(model),
         "model_weights": h.hexdigest()[:16],
         "dtype": ",".join(sorted(dtypes)) or "none",
     }
@@ -329,15 +338,39 @@ def save_block(
     reports: list[Any],
     ranks: Any = None,
 ) -> None:
-    """Record block ``index`` as finished: its masks (and re-fitted and dense weights, and reports, from the
-    pipeline's ``result``), the next block's ``inputs``, then the progress marker (the commit point), then
-    delete what the previous marker named and this one does not. With ``ranks``
+    """Record block ``index`` of :func:`~sparseswaps_prune.llm.pipeline.prune_model` as finished: its masks (and
+    re-fitted and dense weights, and reports, from the pipeline's ``result``) and the next block's ``inputs``
+    (:func:`commit_block`)."""
+    names = [layer.name for layer in layers]
+    by_name = {layer.name: layer for layer in layers}
+    main = ranks is None or ranks.is_main
+    payload = None
+    if main:
+        payload = {
+            "masks": {n: result.masks[n] for n in names},
+            "warmstart": {n: result.warmstart_masks[n] for n in names},
+            "weights": {r.name: by_name[r.name].dense_weight_2d().cpu() for r in reports if r.updated_rows is not None},
+            "dense": {n: result.dense_weights[n] for n in names if n in result.dense_weights},
+            "reports": [asdict(r) for r in reports],
+        }
+    commit_block(state, current, index, inputs, payload, ranks)
+
+
+def commit_block(
+    state: str | Path,
+    current: Fingerprint,
+    index: int,
+    inputs: dict[str, BlockInputs],
+    payload: dict[str, Any] | None,
+    ranks: Any = None,
+) -> None:
+    """Record block ``index`` as finished: ``payload`` (what resuming needs of the block, e.g. its reports; rank 0's
+    is written to ``block_{index}.pt``, other ranks pass None), the next block's ``inputs``, then the progress marker
+    (the commit point), then delete what the previous marker named and this one does not. Whatever else the block
+    left on disk must be durable before this is called. With ``ranks``
     (:class:`~sparseswaps_prune.llm.distributed.Ranks`) every rank calls this: each writes its own inputs, rank 0
     the block and the marker (see the module docstring)."""
     state = Path(state)
-    names = [layer.name for layer in layers]
-    by_name = {layer.name: layer for layer in layers}
-    refitted = {r.name: by_name[r.name].dense_weight_2d().cpu() for r in reports if r.updated_rows is not None}
     main = ranks is None or ranks.is_main
     block_file = f"block_{index:04d}.pt"
     rank = None if ranks is None else ranks.rank
@@ -353,16 +386,7 @@ def save_block(
     }
     try:
         if main:
-            save_torch(
-                {
-                    "masks": {n: result.masks[n] for n in names},
-                    "warmstart": {n: result.warmstart_masks[n] for n in names},
-                    "weights": refitted,
-                    "dense": {n: result.dense_weights[n] for n in names if n in result.dense_weights},
-                    "reports": [asdict(r) for r in reports],
-                },
-                state / block_file,
-            )
+            save_torch(payload, state / block_file)
         for key, part in sorted(inputs.items()):
             part.save(state / own_files[key])
         if ranks is not None:
@@ -379,3 +403,16 @@ def save_block(
         remove_strays(state, progress)
     if ranks is not None:
         ranks.barrier()  # no rank runs ahead of the commit
+
+
+def remove_checkpoint(state: str | Path) -> None:
+    """Delete the checkpoint in ``state`` once its run has finished: the progress marker first (so that an
+    interrupted removal leaves no checkpoint to resume), then this module's other files, then ``state`` itself if
+    nothing else is left in it. Files this module did not write are kept."""
+    state = Path(state)
+    _remove(state / PROGRESS)
+    remove_strays(state, None)
+    try:
+        state.rmdir()
+    except OSError:
+        pass  # missing, or it holds other files

@@ -69,9 +69,11 @@ class JobConfig:
         blockwise: prune the checkpoint block by block (:func:`~sparseswaps_prune.llm.streaming.prune_checkpoint`):
             ``model`` must be a local directory of safetensors weights (written by ``save_pretrained``); the model
             is never in memory as a whole, so ``eval`` must be None (evaluate the saved model with
-            ``sparseswaps eval``), and an interrupted run starts over (no per-block checkpoint). The saved
-            tensors are those of the in-memory path, bit for bit; ``report.json`` adds ``memory`` (peak host
-            memory, bytes written, time per block).
+            ``sparseswaps eval``). Finished blocks are recorded in ``.sparseswaps_state/`` (their weights stay in
+            the ``.partial`` shards being written), so an interrupted run restarted with the same command continues
+            after the last finished block, and one with another model, dtype, data or options stops naming what
+            differs. The saved tensors are those of the in-memory path, bit for bit; ``report.json`` adds
+            ``memory`` (peak host memory, bytes written, time per block, ``first_block`` where this call began).
         distributed: every rank of an initialised ``torch.distributed`` group (``torchrun``; the CLI's
             ``--distributed`` initialises it, :func:`~sparseswaps_prune.llm.distributed.init_from_env`) runs the job
             with the same config and ``out``: the layers of each block (and with ``prune.calib_shards`` the
@@ -328,29 +330,37 @@ def _dense_perplexity(path: Path, key: dict[str, Any], ppl: Callable[[], float |
     return dense
 
 
-def _stage(out: Path) -> Path:
-    """A fresh, empty staging directory inside ``out`` (what an earlier interrupted save left there is removed)."""
+def _stage(out: Path, keep: bool = False) -> Path:
+    """The staging directory inside ``out``: fresh and empty (what an earlier interrupted save left there is
+    removed), or with ``keep`` as it is."""
     staging = out / STAGING_DIR
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
+    if not keep:
+        shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True, exist_ok=True)
     return staging
 
 
 def _save_outputs(
-    write_model: Callable[[Path], list[LayerReport]], config: JobConfig, out: Path
+    write_model: Callable[[Path], list[LayerReport]], config: JobConfig, out: Path, *, resumable: bool = False
 ) -> tuple[list[LayerReport], Callable[[dict[str, Any]], None]]:
     """Write the model (``write_model(staging)`` writes its files and returns the layer reports), the job config
     and the per-layer CSV and plot into a staging directory; return the reports and ``publish(report)``, which
     moves the staged files into ``out`` and writes ``report.json`` last. A failure before ``publish`` removes the
-    staging directory (e.g. a full disk: the space the partial copy takes is freed) and leaves ``out`` as it was."""
-    staging = _stage(out)
+    staging directory (e.g. a full disk: the space the partial copy takes is freed) and leaves ``out`` as it was.
+
+    With ``resumable`` (the block-wise job, whose model files in staging are written block by block and continued
+    by the next run) a failure keeps the staging directory, and the next run keeps it too while the checkpoint in
+    ``out`` has a progress marker; without one it starts from an empty staging directory."""
+    keep = resumable and (out / STATE_DIR / checkpoint.PROGRESS).exists()
+    staging = _stage(out, keep)
     try:
         layers = write_model(staging)
         save_json(config.to_dict(), staging / "config_sparseswaps.json")
         write_csv(layers, staging / "report.csv")
         plot_stages(layers, staging / "report.png", title=config.prune.spec.describe())
     except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
+        if not resumable:
+            shutil.rmtree(staging, ignore_errors=True)
         raise
 
     def publish(report: dict[str, Any]) -> None:
@@ -367,7 +377,9 @@ def _save_outputs(
 
 def _run_blockwise(config: JobConfig, out: Path, start: float, progress: bool) -> dict[str, Any]:
     """The block-wise job: tokenizer and config only, calibration windows, then
-    :func:`~sparseswaps_prune.llm.streaming.prune_checkpoint` straight into the staging directory."""
+    :func:`~sparseswaps_prune.llm.streaming.prune_checkpoint` straight into the staging directory, recording
+    finished blocks in ``out/.sparseswaps_state`` (the ``.partial`` shards in the staging directory are kept when it
+    stops, and the same call continues them)."""
     from transformers import AutoConfig
 
     from sparseswaps_prune.llm.data import load_calibration
@@ -394,11 +406,12 @@ def _run_blockwise(config: JobConfig, out: Path, start: float, progress: bool) -
             batch_size=config.batch_size,
             holdout_tokens=holdout,
             progress=progress,
+            checkpoint_dir=out / STATE_DIR,
         )
         streamed["result"] = result
         return result.layers
 
-    layers, publish = _save_outputs(write_model, config, out)
+    layers, publish = _save_outputs(write_model, config, out, resumable=True)
     result = streamed["result"]
     report = {
         "config": config.to_dict(),

@@ -21,13 +21,26 @@ Peak host memory is about the captured inputs, the embeddings during the capture
 and its masks) plus the compute working set; it does not grow with the number of blocks. The returned report
 measures it (:class:`StreamResult`).
 
+**Resuming** (``checkpoint_dir``). After block ``k`` is written into the ``.partial`` shards, they are fsynced and
+the block is recorded in ``checkpoint_dir`` with the layout and commit protocol of
+:mod:`~sparseswaps_prune.llm.checkpoint` (ranks included): ``block_{k}.pt`` holds only the block's layer reports (its
+pruned weights are already in the shards and are not written twice), ``inputs_<key>_{k+1}.pt`` the next block's
+captured inputs, and ``progress.json``, replaced atomically, is the commit point; its fingerprint covers the model
+(config, and a hash of the source's weight files), dtype, windows, options, number of ranks, ``max_shard_size`` and
+the output plan. The same call made again checks the fingerprint (:class:`~sparseswaps_prune.llm.checkpoint
+.CheckpointMismatch` naming what differs, before anything is written), reopens the ``.partial`` files without
+truncating them (their headers and sizes must be the planned ones), skips the capture and the non-block tensors,
+restores the finished blocks' reports and continues at block ``k + 1``: the output files and the reports are those of
+an uninterrupted call, byte for byte. The checkpoint's files are removed when the call succeeds.
+
 Limits: safetensors checkpoints only (not ``.bin`` or GGUF); checkpoint names must be the model's own parameter
 names (optionally without the base-model prefix), so models whose weights transformers renames or fuses on load
-(some mixture-of-experts models) are refused; no resume from an interrupted run yet.
+(some mixture-of-experts models) are refused.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -38,7 +51,7 @@ import struct
 import sys
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -46,9 +59,10 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from sparseswaps_prune.atomic import fsync_dir
 from sparseswaps_prune.core.checks import check_device
 from sparseswaps_prune.extras import require
-from sparseswaps_prune.llm import pipeline
+from sparseswaps_prune.llm import checkpoint, pipeline
 from sparseswaps_prune.llm.distributed import Ranks
 from sparseswaps_prune.llm.layers import find_blocks
 from sparseswaps_prune.llm.pipeline import LayerReport, PruneOptions, PruneResult, check_layers, finalize
@@ -163,6 +177,19 @@ class SafetensorsCheckpoint:
             raise ValueError(f"{index.name} names tensors that are not in their shard: {missing[:5]}")
         self.bytes_read = 0
 
+    def digest(self) -> str:
+        """Hash (sha256, 16 hex digits) of the weight files: their names, sizes and bytes, read in 16 MiB chunks
+        (about 1 s per GB; nothing is kept in memory and :attr:`bytes_read` does not count it)."""
+        h = hashlib.sha256()
+        buffer = bytearray(16 << 20)
+        view = memoryview(buffer)
+        for path in sorted(set(self.files.values())):
+            h.update(f"{path.name}:{path.stat().st_size};".encode())
+            with open(path, "rb", buffering=0) as f:
+                while n := f.readinto(buffer):
+                    h.update(view[:n])
+        return h.hexdigest()[:16]
+
     def read(self, keys: Iterable[str]) -> dict[str, torch.Tensor]:
         """The tensors ``keys`` as stored (CPU, the stored dtype)."""
         from safetensors import safe_open
@@ -197,6 +224,16 @@ class ShardedWriter:
     that gets a shard of its own), each file is created with its final header, and :meth:`write` puts each tensor's
     bytes at its offset. :meth:`close` checks that every tensor was written, renames the ``.partial`` files to
     their final names and writes the index (several shards) or leaves one ``model.safetensors``.
+
+    With ``written`` the files of an interrupted write with the same plan are reopened as they are (nothing is
+    truncated or rewritten) and ``written`` names the tensors already in them (made durable by :meth:`sync`); a
+    shard already renamed to its final name (an interrupted :meth:`close`) is accepted when every tensor is
+    written.
+
+    Raises:
+        TypeError: a dtype safetensors cannot store.
+        FileNotFoundError, ValueError: with ``written``, a shard file is missing or does not hold the planned header
+            and size, or ``written`` names a tensor that is not planned (nothing is modified).
     """
 
     def __init__(
@@ -204,6 +241,8 @@ class ShardedWriter:
         out_dir: str | os.PathLike[str],
         tensors: Iterable[tuple[str, torch.dtype, tuple[int, ...]]],
         max_shard_size: int | str,
+        *,
+        written: Iterable[str] | None = None,
     ) -> None:
         if sys.byteorder != "little":
             raise RuntimeError("safetensors files are little-endian; this writer needs a little-endian machine")
@@ -231,12 +270,18 @@ class ShardedWriter:
         n = len(shards)
         self.names = [SAFE_WEIGHTS_NAME] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
         self.slots: dict[str, _Slot] = {}
-        self.written: set[str] = set()
+        self.written: set[str] = set(written or ())
         self.bytes_written = 0
         self.total_size = sum(slot.nbytes for slot in slots)
         self._fds: list[int] = []
+        self._paths: list[Path] = []
         self._data_start: list[int] = []
-        self.out_dir.mkdir(parents=True, exist_ok=True)
+        unknown = sorted(self.written - {slot.key for slot in slots})
+        self._complete = not unknown and len(self.written) == len(slots)
+        if unknown:
+            raise ValueError(f"written names tensors that are not planned: {unknown[:3]}")
+        if written is None:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
         try:
             for index, shard in enumerate(shards):
                 header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
@@ -252,17 +297,42 @@ class ShardedWriter:
                     self.slots[slot.key] = slot
                 raw = json.dumps(header, separators=(",", ":")).encode()
                 raw += b" " * (-len(raw) % 8)
-                fd = os.open(self._partial(index), os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
-                self._fds.append(fd)
-                self._pwrite(fd, struct.pack("<Q", len(raw)) + raw, 0)
-                os.ftruncate(fd, 8 + len(raw) + offset)
-                self._data_start.append(8 + len(raw))
+                head, size = struct.pack("<Q", len(raw)) + raw, 8 + len(raw) + offset
+                if written is None:
+                    path = self._partial(index)
+                    fd = os.open(path, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
+                    self._fds.append(fd)
+                    self._pwrite(fd, head, 0)
+                    os.ftruncate(fd, size)
+                else:
+                    path = self._existing(index, head, size)
+                    self._fds.append(os.open(path, os.O_WRONLY))
+                self._paths.append(path)
+                self._data_start.append(len(head))
         except BaseException:
-            self.abort()
+            if written is None:
+                self.abort()
+            else:
+                self.release()
             raise
 
     def _partial(self, index: int) -> Path:
         return self.out_dir / f"{self.names[index]}.partial"
+
+    def _existing(self, index: int, head: bytes, size: int) -> Path:
+        """The file of shard ``index`` that an interrupted write left (see the class docstring), checked against
+        its planned ``head`` (length prefix and header) and ``size`` in bytes."""
+        candidates = [self._partial(index)]
+        if self._complete:
+            candidates.append(self.out_dir / self.names[index])
+        path = next((p for p in candidates if p.is_file()), None)
+        if path is None:
+            raise FileNotFoundError(f"shard {candidates[0]} is missing")
+        with open(path, "rb") as f:
+            found = f.read(len(head))
+        if found != head or path.stat().st_size != size:
+            raise ValueError(f"{path} does not hold the planned shard (its header or size differs)")
+        return path
 
     def _pwrite(self, fd: int, data: bytes | memoryview, offset: int) -> None:
         view = memoryview(data).cast("B")
@@ -289,6 +359,12 @@ class ShardedWriter:
         self._pwrite(self._fds[slot.shard], data, self._data_start[slot.shard] + slot.offset)
         self.written.add(key)
 
+    def sync(self) -> None:
+        """Make every tensor written so far durable: ``fsync`` of each shard file and of the directory."""
+        for fd in self._fds:
+            os.fsync(fd)
+        fsync_dir(self.out_dir)
+
     def close(self, total_parameters: int | None = None) -> list[str]:
         """Finish the checkpoint; returns the file names written (shards, then the index if any).
 
@@ -303,8 +379,9 @@ class ShardedWriter:
             os.fsync(fd)
             os.close(fd)
         self._fds = []
-        for index, name in enumerate(self.names):
-            os.replace(self._partial(index), self.out_dir / name)
+        for path, name in zip(self._paths, self.names, strict=True):
+            if path.name != name:
+                os.replace(path, self.out_dir / name)
         files = list(self.names)
         if len(self.names) > 1:
             metadata = {"total_size": self.total_size}
@@ -320,11 +397,15 @@ class ShardedWriter:
                 path.unlink()
         return files
 
-    def abort(self) -> None:
-        """Close and remove the ``.partial`` files."""
+    def release(self) -> None:
+        """Close the files and keep them (what was written stays, e.g. for a resume that reopens them)."""
         for fd in self._fds:
             os.close(fd)
         self._fds = []
+
+    def abort(self) -> None:
+        """Close and remove the ``.partial`` files."""
+        self.release()
         for index in range(len(self.names)):
             self._partial(index).unlink(missing_ok=True)
 
@@ -391,8 +472,10 @@ class StreamResult:
             call began where ``peak_rss_since`` is ``"call"``), ``start_rss_bytes``, ``peak_device_bytes`` (CUDA's
             ``max_memory_allocated``; None on the CPU), ``bytes_written``, ``bytes_read`` (tensors read from the
             source), ``block_bytes`` (the largest block's tensors as written), ``embedding_bytes`` (the non-block
-            tensors loaded for the capture), ``seconds_capture``, ``seconds``, ``rank``, ``world_size`` and
-            ``blocks``: per block, ``seconds`` (load, prune, write), ``rss_bytes`` after it was dropped and
+            tensors loaded for the capture; 0 when resumed), ``seconds_capture`` (until the first block's inputs
+            were ready: captured, or loaded from the checkpoint), ``seconds``, ``rank``, ``world_size``,
+            ``first_block`` (the block this call started at: 0, or where it resumed) and ``blocks``: per block this
+            call pruned, ``seconds`` (load, prune, write, record), ``rss_bytes`` after it was dropped and
             ``peak_rss_bytes`` up to then.
         seconds: wall time of the call.
     """
@@ -526,6 +609,35 @@ def _write_configs(model: nn.Module, source_dir: Path, out_dir: Path, dtype: tor
     return files
 
 
+def _fingerprint(
+    model: nn.Module,
+    reader: SafetensorsCheckpoint,
+    dtype: torch.dtype,
+    options: PruneOptions,
+    calib_tokens: torch.Tensor,
+    holdout_tokens: torch.Tensor | None,
+    planned: list[tuple[str, torch.dtype, tuple[int, ...]]],
+    max_shard_size: int | str,
+    ranks: Ranks | None,
+) -> checkpoint.Fingerprint:
+    """The :class:`~sparseswaps_prune.llm.checkpoint.Fingerprint` of a :func:`prune_checkpoint` call: the model's
+    config, the source's weight files (hashed on rank 0 and broadcast), ``dtype``, ``options``, the windows, the
+    number of ``ranks`` (None: one process), ``max_shard_size`` and the output plan (``planned``: name, dtype and
+    shape of every output tensor, in order)."""
+    weights = reader.digest() if ranks is None or ranks.is_main else None
+    parts = {
+        "model_config": checkpoint.config_digest(model),
+        "model_weights": weights if ranks is None else ranks.broadcast(weights, src=0),
+        "dtype": str(dtype).removeprefix("torch."),
+    }
+    plan = json.dumps([[name, str(kind), list(shape)] for name, kind, shape in planned])
+    settings = pipeline.checkpoint_settings(False, ranks) | {
+        "max_shard_size": parse_size(max_shard_size),
+        "output_plan": hashlib.sha256(plan.encode()).hexdigest()[:16],
+    }
+    return checkpoint.fingerprint(model, options, calib_tokens, holdout_tokens, known_model_parts=parts, **settings)
+
+
 def prune_checkpoint(
     source: str | os.PathLike[str],
     out_dir: str | os.PathLike[str],
@@ -539,13 +651,14 @@ def prune_checkpoint(
     max_shard_size: int | str = "5GB",
     progress: bool = True,
     distributed: bool = False,
+    checkpoint_dir: str | os.PathLike[str] | None = None,
 ) -> StreamResult:
     """Prune the causal LM saved in ``source`` block by block, reading and writing one decoder block at a time.
 
     Equivalent to ``load_model(source, dtype=dtype)``, :func:`~sparseswaps_prune.llm.pipeline.prune_model` (same
     ``options``, ``device``, ``batch_size``, ``holdout_tokens``), ``finalize`` and ``save_pretrained(out_dir,
     max_shard_size=max_shard_size)``: the saved tensors are identical bit for bit. See the module docstring for
-    what is held in memory.
+    what is held in memory and how a run resumes.
 
     Args:
         source: a local directory with ``config.json`` and safetensors weights (sharded with an index, or one file).
@@ -565,14 +678,24 @@ def prune_checkpoint(
             rank 0 alone writes ``out_dir``; with ``options.calib_shards > 1`` each rank captures and forwards only
             its own shards' windows (as in ``prune_model``). The output is the single-process output with the same
             ``calib_shards``, bit for bit.
+        checkpoint_dir: where finished blocks are recorded (created if missing; with ``distributed``, one directory
+            every rank sees): a call stopped anywhere and made again with the same arguments continues after the
+            last recorded block, into the ``.partial`` files it left in ``out_dir``, to the same output and layer
+            reports. The source's weight files are hashed once per call (about 1 s per GB) to recognise the model.
+            Its files are removed when the call succeeds.
 
     Returns:
-        :class:`StreamResult`: layer reports, files written and the memory/time report.
+        :class:`StreamResult`: layer reports (those of resumed blocks included), files written and the
+        memory/time report.
 
     Raises:
         FileNotFoundError: ``source`` has no safetensors checkpoint.
         ValueError: bad options or layer widths (before anything is written), ``out_dir`` is ``source``, or the
             checkpoint does not match its config.
+        ~sparseswaps_prune.llm.checkpoint.CheckpointMismatch: ``checkpoint_dir`` holds the checkpoint of another
+            run (another model, dtype, windows, options, number of ranks, ``max_shard_size`` or output plan; the
+            message names it), or the ``.partial`` files it continues are missing or altered; raised before anything
+            is written.
     """
     require("llm", "transformers", "accelerate", "safetensors")
     from transformers import AutoConfig
@@ -584,6 +707,7 @@ def prune_checkpoint(
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     ranks = Ranks.current() if distributed else Ranks(0, 1)
+    checkpoint_ranks = ranks if distributed else None  # as prune_model: one process records no rank
     progress = progress and ranks.is_main
     source_dir, out = Path(source), Path(out_dir)
     if out.exists() and source_dir.exists() and out.resolve() == source_dir.resolve():
@@ -609,30 +733,61 @@ def prune_checkpoint(
         head_name = next(name for name, module in model.named_modules() if module is head_module)
         head = {f"{head_name}.{leaf}" for leaf in head_module._parameters} & set(outside)
     for_capture = [name for name in outside if name not in head]
+    # In the order save_pretrained uses for a model loaded by from_pretrained (transformers 5 sorts the names).
+    planned = [(name, state[name].dtype, tuple(state[name].shape)) for name in sorted(mapping, key=_natural_key)]
 
-    writer = None
+    resumed, state_dir = None, None
+    if checkpoint_dir is not None:
+        state_dir = Path(checkpoint_dir)
+        fingerprint = _fingerprint(
+            model, reader, dtype, options, calib_tokens, holdout_tokens, planned, max_shard_size, checkpoint_ranks
+        )
+        resumed = checkpoint.load(state_dir, fingerprint, checkpoint_ranks)
+    first_block = 0 if resumed is None else resumed.next_block
+    writer, error = None, None
     if ranks.is_main:
-        # In the order save_pretrained uses for a model loaded by from_pretrained (transformers 5 sorts the names).
-        planned = [(name, state[name].dtype, tuple(state[name].shape)) for name in sorted(mapping, key=_natural_key)]
-        writer = ShardedWriter(out, planned, max_shard_size)
+        # Resuming: the non-block tensors (written before block 0) and the finished blocks are in the .partial files.
+        done = None if resumed is None else outside + [name for keys in block_keys[:first_block] for name in keys]
+        try:
+            writer = ShardedWriter(out, planned, max_shard_size, written=done)
+        except (OSError, ValueError) as err:
+            if resumed is None:
+                raise
+            error = (
+                f"the checkpoint in {state_dir} records blocks 0-{first_block - 1} as written into the .partial "
+                f"files in {out}, but {err}; to start over, delete {state_dir}"
+            )
+    if resumed is not None:
+        error = ranks.broadcast(error, src=0)
+        if error is not None:
+            raise checkpoint.CheckpointMismatch(error)
     try:
-        _load(model, reader, mapping, for_capture + block_keys[0])
-        inputs = pipeline.capture_shards(model, blocks, calib_tokens, holdout_tokens, batch_size, shards)
-        seconds_capture = time.perf_counter() - start
-        embedding_bytes = sum(_tensor_bytes(state[n].dtype, state[n].shape) for n in for_capture)
-        if writer is not None:
-            for name in for_capture:
-                writer.write(name, model.get_parameter(name) if _is_param(model, name) else model.get_buffer(name))
-            for name in head:  # never loaded into the model: copied tensor by tensor
-                tensor = reader.read([mapping[name]])[mapping[name]]
-                writer.write(name, tensor.to(state[name].dtype) if tensor.is_floating_point() else tensor)
-        _drop(model, for_capture)
         layers: list[LayerReport] = []
+        embedding_bytes = 0
+        if resumed is None:
+            _load(model, reader, mapping, for_capture + block_keys[0])
+            inputs = pipeline.capture_shards(model, blocks, calib_tokens, holdout_tokens, batch_size, shards)
+            seconds_capture = time.perf_counter() - start
+            embedding_bytes = sum(_tensor_bytes(state[n].dtype, state[n].shape) for n in for_capture)
+            if writer is not None:
+                for name in for_capture:
+                    writer.write(name, model.get_parameter(name) if _is_param(model, name) else model.get_buffer(name))
+                for name in head:  # never loaded into the model: copied tensor by tensor
+                    tensor = reader.read([mapping[name]])[mapping[name]]
+                    writer.write(name, tensor.to(state[name].dtype) if tensor.is_floating_point() else tensor)
+            _drop(model, for_capture)
+        else:  # the block forwards need no non-block tensor: the captured inputs hold the positions and masks
+            inputs = resumed.inputs
+            seconds_capture = time.perf_counter() - start
+            for _, saved in resumed.blocks():
+                layers.extend(LayerReport(**report) for report in saved["reports"])
         per_block = []
-        bar = tqdm(range(len(blocks)), desc="blocks", disable=not progress)
+        bar = tqdm(
+            range(first_block, len(blocks)), desc="blocks", disable=not progress, initial=first_block, total=len(blocks)
+        )
         for index in bar:
             begin = time.perf_counter()
-            if index > 0:
+            if index > 0:  # block 0 was loaded with the embeddings (a resumed run starts at block 1 or later)
                 _load(model, reader, mapping, block_keys[index])
             unloaded = [n for n, p in blocks[index].named_parameters() if p.device.type == "meta"]
             if unloaded:
@@ -650,6 +805,11 @@ def prune_checkpoint(
                     writer.write(name, block_state[name[len(f"{blocks_name}.{index}.") :]])
                 del block_state
             blocks[index].to("meta")
+            if state_dir is not None:  # the block's weights are in the shards: its block file holds its reports only
+                if writer is not None:
+                    writer.sync()
+                payload = {"reports": [asdict(r) for r in reports]} if ranks.is_main else None
+                checkpoint.commit_block(state_dir, fingerprint, index, inputs, payload, checkpoint_ranks)
             per_block.append(
                 {
                     "block": index,
@@ -667,9 +827,13 @@ def prune_checkpoint(
             files += _write_configs(model, source_dir, out, dtype)
         ranks.barrier()
     except BaseException:
-        if writer is not None:
+        if writer is not None and state_dir is not None:
+            writer.release()  # the .partial files hold the recorded blocks: the next call continues them
+        elif writer is not None:
             writer.abort()
         raise
+    if state_dir is not None and ranks.is_main:
+        checkpoint.remove_checkpoint(state_dir)
     bytes_written = 0
     if writer is not None:
         extra = [name for name in files if not _OUR_WEIGHTS.fullmatch(name)]
@@ -688,6 +852,7 @@ def prune_checkpoint(
         "seconds": seconds,
         "rank": ranks.rank,
         "world_size": ranks.world_size,
+        "first_block": first_block,
         "blocks": per_block,
     }
     return StreamResult(layers=layers, files=files, report=report, seconds=seconds)

@@ -10,7 +10,9 @@ import torch
 from safetensors.torch import load_file
 
 from sparseswaps_prune.cli import main
-from sparseswaps_prune.llm.job import STAGING_DIR, JobConfig, run_job
+from sparseswaps_prune.core.spec import build_spec
+from sparseswaps_prune.llm import pipeline
+from sparseswaps_prune.llm.job import STAGING_DIR, STATE_DIR, JobConfig, run_job
 
 ARGS = ["--nsamples", "2", "--seqlen", "16", "--holdout", "1", "--max-iters", "2", "--quiet"]
 
@@ -49,3 +51,31 @@ def test_blockwise_refusals_write_nothing(saved_tiny, tmp_path, changes, says):
     with pytest.raises((ValueError, TypeError), match=says.replace("(", r"\(").replace(")", r"\)")):
         run_job(config, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_interrupted_blockwise_job_resumes_bit_for_bit(saved_tiny, tmp_path, monkeypatch):
+    """Stopped while pruning block 1: the finished block stays in the staging shards and the checkpoint, and the
+    same call prunes block 1 only and saves what an uninterrupted run saves."""
+    config = JobConfig(model=str(saved_tiny), eval=None, blockwise=True, nsamples=2, seqlen=16, holdout=1)
+    config.prune.spec = build_spec(max_iters=2)
+    reference = run_job(config, tmp_path / "reference", progress=False)
+    original, calls = pipeline._process_block, []
+
+    def step(blocks, blocks_name, index, *args, **kwargs):
+        calls.append(index)
+        if index == 1 and len(calls) == 2:
+            raise KeyboardInterrupt
+        return original(blocks, blocks_name, index, *args, **kwargs)
+
+    monkeypatch.setattr(pipeline, "_process_block", step)
+    out = tmp_path / "out"
+    with pytest.raises(KeyboardInterrupt):
+        run_job(config, out, progress=False)
+    assert json.loads((out / STATE_DIR / "progress.json").read_text())["next_block"] == 1
+    assert [p.name for p in (out / STAGING_DIR).iterdir()] == ["model.safetensors.partial"]
+    report = run_job(config, out, progress=False)
+    assert calls == [0, 1, 1] and report["memory"]["first_block"] == 1
+    assert (out / "model.safetensors").read_bytes() == (tmp_path / "reference" / "model.safetensors").read_bytes()
+    untimed = lambda rows: [{k: v for k, v in row.items() if not k.startswith("seconds")} for row in rows]  # noqa: E731
+    assert untimed(report["layers"]) == untimed(reference["layers"])
+    assert not (out / STATE_DIR).exists() and not (out / STAGING_DIR).exists()

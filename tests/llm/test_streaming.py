@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from transformers import AutoModelForCausalLM
 
 from sparseswaps_prune.core.spec import build_spec
 from sparseswaps_prune.llm import pipeline, streaming
+from sparseswaps_prune.llm.checkpoint import CheckpointMismatch
 from sparseswaps_prune.llm.distributed import assign_layers
 from sparseswaps_prune.llm.models import tiny_model
 from sparseswaps_prune.llm.pipeline import PruneOptions, finalize, prune_model
@@ -254,11 +256,14 @@ def _ranks_worker(rank: int, world_size: int, tmp: str) -> None:
             progress=False,
         )
         torch.save({"layers": streamed.layers, "files": streamed.files, "report": streamed.report}, f"{tmp}/s{rank}.pt")
+        _interrupt_and_resume(rank, Path(tmp))
     finally:
         dist.destroy_process_group()
 
 
 def test_two_gloo_ranks_equal_one_process(tmp_path):
+    """In memory and streamed, and streamed with a checkpoint, stopped in block 2 and resumed (one spawn: a process
+    start costs seconds)."""
     source = save_source(tmp_path / "src", "llama", num_hidden_layers=3)
     options = PruneOptions(spec=build_spec(max_iters=1))
     model, result = in_memory(source, tmp_path / "one", options, torch.float32, holdout_tokens=calib(2, seed=1))
@@ -275,3 +280,157 @@ def test_two_gloo_ranks_equal_one_process(tmp_path):
         assert s["report"]["world_size"] == 2 and s["report"]["rank"] == rank
         assert (s["files"] != []) == (rank == 0)  # rank 0 writes
     assert_same_checkpoint(tmp_path / "one", tmp_path / "stream")
+    for rank in (0, 1):
+        got = torch.load(tmp_path / f"r{rank}.pt", weights_only=False)
+        assert got["recorded"]["next_block"] == 2 and "fit.rank1" in got["recorded"]["inputs"]
+        assert got["calls"] == [2]  # blocks 0 and 1 are not pruned again on either rank
+        assert timeless(got["layers"]) == timeless(result.layers)
+    assert files_of(tmp_path / "resumed") == files_of(tmp_path / "stream")
+    assert not (tmp_path / "ckpt").exists()
+
+
+# ---------------------------------------------------------------- resuming an interrupted call (checkpoint_dir)
+
+N_BLOCKS = 4
+RESUME_OPTIONS = PruneOptions(spec=build_spec(max_iters=1))  # the default spec: re-fit with the held-out guard
+
+
+class Crash(KeyboardInterrupt):
+    """Stands in for a kill or Ctrl-C."""
+
+
+def count_blocks(patch: pytest.MonkeyPatch, crash_at: int | None = None) -> list[int]:
+    """Record the index of every block ``pipeline._process_block`` is called on; raise :class:`Crash` instead of
+    running the ``crash_at``-th call (1-based). Returns the growing list of indices."""
+    original, calls = pipeline._process_block, []
+
+    def step(blocks, blocks_name, index, *args, **kwargs):
+        calls.append(index)
+        if len(calls) == crash_at:
+            raise Crash
+        return original(blocks, blocks_name, index, *args, **kwargs)
+
+    patch.setattr(pipeline, "_process_block", step)
+    return calls
+
+
+def stream(source: Path, out: Path, checkpoint_dir: Path | None, **changes):
+    kwargs = {"options": RESUME_OPTIONS, "holdout_tokens": calib(2, seed=1), "max_shard_size": SHARD} | changes
+    return prune_checkpoint(source, out, calib(), progress=False, checkpoint_dir=checkpoint_dir, **kwargs)
+
+
+def files_of(directory: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(directory.iterdir()) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def resume_case(tmp_path_factory):
+    """A 4-block llama source, the output of an uninterrupted call without a checkpoint, and the output and
+    checkpoint directories of a call stopped while pruning block 2 (blocks 0 and 1 recorded)."""
+    root = tmp_path_factory.mktemp("resume")
+    source = save_source(root / "src", "llama", num_hidden_layers=N_BLOCKS)
+    reference = stream(source, root / "reference", None)
+    with pytest.MonkeyPatch.context() as patch:
+        count_blocks(patch, crash_at=3)
+        with pytest.raises(Crash):
+            stream(source, root / "out", root / "ckpt")
+    return {"source": source, "reference": reference, "root": root}
+
+
+@pytest.fixture
+def interrupted_run(resume_case, tmp_path):
+    """A copy of the stopped call's output and checkpoint directories: ``(source, out, checkpoint_dir)``."""
+    shutil.copytree(resume_case["root"] / "out", tmp_path / "out")
+    shutil.copytree(resume_case["root"] / "ckpt", tmp_path / "ckpt")
+    return resume_case["source"], tmp_path / "out", tmp_path / "ckpt"
+
+
+def test_interrupted_call_resumes_to_the_same_files_and_reports(resume_case, interrupted_run, monkeypatch):
+    source, out, state = interrupted_run
+    progress = json.loads((state / "progress.json").read_text())
+    assert progress["next_block"] == 2 and progress["blocks"] == ["block_0000.pt", "block_0001.pt"]
+    assert all(name.endswith(".partial") for name in os.listdir(out))  # nothing renamed yet
+    saved = torch.load(state / "block_0001.pt", weights_only=True)
+    assert list(saved) == ["reports"]  # the block's weights are in the shards only
+    calls = count_blocks(monkeypatch)
+    resumed = stream(source, out, state)
+    assert calls == [2, 3]  # blocks 0 and 1 are not pruned again, and nothing is captured
+    reference_dir = resume_case["root"] / "reference"
+    assert files_of(out) == files_of(reference_dir)  # byte for byte
+    assert timeless(resumed.layers) == timeless(resume_case["reference"].layers)
+    assert sorted(resumed.files) == sorted(resume_case["reference"].files)
+    assert resumed.report["first_block"] == 2 and [b["block"] for b in resumed.report["blocks"]] == [2, 3]
+    assert resumed.report["embedding_bytes"] == 0
+    assert not state.exists()  # the checkpoint is removed on success
+
+
+def test_interrupted_close_resumes(resume_case, interrupted_run, monkeypatch):
+    """A call stopped after renaming some of its shards (all blocks recorded) finishes them on the next call."""
+    source, out, state = interrupted_run
+    original, renamed = os.replace, []
+
+    def replace(src, dst):
+        original(src, dst)
+        if str(src).endswith(".partial"):
+            renamed.append(dst)
+            raise Crash
+
+    with monkeypatch.context() as patch:
+        patch.setattr(os, "replace", replace)
+        with pytest.raises(Crash):
+            stream(source, out, state)
+    assert len(renamed) == 1 and json.loads((state / "progress.json").read_text())["next_block"] == N_BLOCKS
+    calls = count_blocks(monkeypatch)
+    resumed = stream(source, out, state)
+    assert calls == []
+    assert files_of(out) == files_of(resume_case["root"] / "reference")
+    assert timeless(resumed.layers) == timeless(resume_case["reference"].layers)
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ({"options": PruneOptions(spec=build_spec(max_iters=2))}, r"other options: spec\.refine\.max_iters 1 -> 2"),
+        ({"holdout_tokens": calib(2, seed=2)}, "other holdout windows"),
+        ({"max_shard_size": "2MB"}, r"other settings: max_shard_size 1000000 -> 2000000"),
+        ({"dtype": torch.bfloat16}, r"another dtype \(float32 -> bfloat16\)"),
+    ],
+)
+def test_resume_of_another_run_is_refused_before_writing(interrupted_run, change, match):
+    source, out, state = interrupted_run
+    before = files_of(out), files_of(state)
+    with pytest.raises(CheckpointMismatch, match=match) as err:
+        stream(source, out, state, **change)
+    assert f"delete {state}" in str(err.value)
+    assert (files_of(out), files_of(state)) == before  # nothing touched
+
+
+def test_resume_of_another_model_or_missing_shards_is_refused(interrupted_run, tmp_path):
+    source, out, state = interrupted_run
+    other = save_source(tmp_path / "other", "llama", num_hidden_layers=N_BLOCKS, seed=1)
+    before = files_of(out), files_of(state)
+    with pytest.raises(CheckpointMismatch, match=r"another model \(weights differ\)"):
+        stream(other, out, state)
+    partial = sorted(out.iterdir())[-1]
+    partial.rename(tmp_path / partial.name)
+    with pytest.raises(CheckpointMismatch, match=rf"records blocks 0-1 .*{partial.name} is missing.*delete {state}"):
+        stream(source, out, state)
+    (tmp_path / partial.name).rename(partial)
+    assert (files_of(out), files_of(state)) == before
+
+
+def _interrupt_and_resume(rank: int, tmp: Path) -> None:
+    """On every rank: a streamed call with a checkpoint stops while pruning block 2, then the same call resumes."""
+    import torch.distributed as dist
+
+    source, out, state = tmp / "src", tmp / "resumed", tmp / "ckpt"
+    with pytest.MonkeyPatch.context() as patch:
+        count_blocks(patch, crash_at=3)
+        with pytest.raises(Crash):
+            stream(source, out, state, distributed=True)
+    dist.barrier()
+    recorded = json.loads((state / "progress.json").read_text())
+    with pytest.MonkeyPatch.context() as patch:
+        calls = count_blocks(patch)
+        result = stream(source, out, state, distributed=True)
+    torch.save({"recorded": recorded, "calls": calls, "layers": result.layers}, tmp / f"r{rank}.pt")
