@@ -294,7 +294,7 @@ def _add_prune_options(p: argparse.ArgumentParser) -> None:
         "--distributed", action="store_true", default=None,
         help="this process is one rank launched by torchrun (torchrun --nproc-per-node N -m sparseswaps_prune.cli "
         "prune --distributed ...): gloo on the CPU, NCCL on GPUs (one per rank); layers, and with --calib-shards "
-        "the calibration windows, are divided across the ranks; rank 0 evaluates and writes",
+        "the calibration windows, are divided across the ranks; rank 0 evaluates and writes; combines with --blockwise",
     )  # fmt: skip
     run.add_argument("--out", required=True, help="output directory (resumes if it holds an unfinished run)")
     run.add_argument("--quiet", action="store_true", help="no progress bars, one summary line")

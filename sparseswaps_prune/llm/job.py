@@ -73,14 +73,17 @@ class JobConfig:
             the ``.partial`` shards being written), so an interrupted run restarted with the same command continues
             after the last finished block, and one with another model, dtype, data or options stops naming what
             differs. The saved tensors are those of the in-memory path, bit for bit; ``report.json`` adds
-            ``memory`` (peak host memory, bytes written, time per block, ``first_block`` where this call began).
+            ``memory`` (rank 0's peak host memory, bytes written, time per block, ``first_block`` where this call
+            began). Combines with ``distributed``.
         distributed: every rank of an initialised ``torch.distributed`` group (``torchrun``; the CLI's
             ``--distributed`` initialises it, :func:`~sparseswaps_prune.llm.distributed.init_from_env`) runs the job
             with the same config and ``out``: the layers of each block (and with ``prune.calib_shards`` the
             calibration windows) are divided across the ranks, every rank ends with the same weights, and rank 0
             alone evaluates and writes the outputs; the checkpoint records every rank's inputs, so a stopped run
             resumes with the same number of ranks. The result is that of one process with the same
-            ``calib_shards``, bit for bit.
+            ``calib_shards``, bit for bit. With ``blockwise`` every rank reads the checkpoint block by block
+            (:func:`~sparseswaps_prune.llm.streaming.prune_checkpoint` with ``distributed=True``) and rank 0 alone
+            writes the output shards. Every rank returns rank 0's report once rank 0 has written it.
     """
 
     model: str | None = None
@@ -144,12 +147,6 @@ class JobConfig:
             WindowShards(self.holdout, self.batch_size, self.prune.calib_shards, what="held-out")
         if self.blockwise:
             self._check_blockwise()
-            if self.distributed:
-                raise ValueError(
-                    "blockwise=True (--blockwise) and distributed=True (--distributed) are not combined by the job; "
-                    "call sparseswaps_prune.llm.streaming.prune_checkpoint(..., distributed=True) from each rank, "
-                    "or drop one of them"
-                )
 
     def _check_blockwise(self) -> None:
         if self.model is None or self.gguf_file is not None or not os.path.isdir(os.path.expanduser(self.model)):
@@ -379,7 +376,12 @@ def _run_blockwise(config: JobConfig, out: Path, start: float, progress: bool) -
     """The block-wise job: tokenizer and config only, calibration windows, then
     :func:`~sparseswaps_prune.llm.streaming.prune_checkpoint` straight into the staging directory, recording
     finished blocks in ``out/.sparseswaps_state`` (the ``.partial`` shards in the staging directory are kept when it
-    stops, and the same call continues them)."""
+    stops, and the same call continues them).
+
+    With ``config.distributed`` every rank loads the windows and calls ``prune_checkpoint(..., distributed=True)``
+    with the same checkpoint directory; rank 0 alone prepares the staging directory, writes the shards and the other
+    outputs, publishes them and removes the leftovers (the other ranks never write in ``out`` outside the
+    checkpoint directory), and every rank returns its report (rank 0's, broadcast once it is written)."""
     from transformers import AutoConfig
 
     from sparseswaps_prune.llm.data import load_calibration
@@ -393,6 +395,7 @@ def _run_blockwise(config: JobConfig, out: Path, start: float, progress: bool) -
         config.calib, tokenizer, config.nsamples, config.seqlen, seed=config.seed, holdout=config.holdout
     )
     calib, holdout = windows[: config.nsamples], windows[config.nsamples :] if config.holdout else None
+    ranks = Ranks.current() if config.distributed else None
     streamed = {}
 
     def write_model(staging: Path) -> list[LayerReport]:
@@ -406,11 +409,17 @@ def _run_blockwise(config: JobConfig, out: Path, start: float, progress: bool) -
             batch_size=config.batch_size,
             holdout_tokens=holdout,
             progress=progress,
+            distributed=config.distributed,
             checkpoint_dir=out / STATE_DIR,
         )
         streamed["result"] = result
         return result.layers
 
+    if ranks is not None and not ranks.is_main:
+        # prune_checkpoint writes its out_dir on rank 0 only: this rank leaves the staging directory to rank 0 and
+        # waits for its report, so that no rank returns before the outputs are published.
+        write_model(out / STAGING_DIR)
+        return ranks.broadcast(None, src=0)
     layers, publish = _save_outputs(write_model, config, out, resumable=True)
     result = streamed["result"]
     report = {
@@ -424,7 +433,7 @@ def _run_blockwise(config: JobConfig, out: Path, start: float, progress: bool) -
     }
     publish(report)
     _remove_leftovers(out)
-    return report
+    return report if ranks is None else ranks.broadcast(report, src=0)
 
 
 def summary(report: dict[str, Any]) -> str:

@@ -1,9 +1,13 @@
 """``sparseswaps prune --blockwise`` (``JobConfig(blockwise=True)``): the block-wise path through the job and the
-CLI saves what the in-memory job saves, bit for bit, and refuses what it cannot do before writing anything."""
+CLI saves what the in-memory job saves, bit for bit, and refuses what it cannot do before writing anything; under
+torchrun (``--distributed``) it saves what one process saves."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -53,6 +57,13 @@ def test_blockwise_refusals_write_nothing(saved_tiny, tmp_path, changes, says):
     assert not (tmp_path / "out").exists()
 
 
+def test_blockwise_with_distributed_is_accepted(saved_tiny):
+    """The combination was refused before (issue 19); now only the block-wise checks apply to it."""
+    JobConfig(model=str(saved_tiny), eval=None, blockwise=True, distributed=True, nsamples=2, seqlen=16).validate()
+    with pytest.raises(ValueError, match="local directory of safetensors"):
+        JobConfig(eval=None, blockwise=True, distributed=True).validate()
+
+
 def test_interrupted_blockwise_job_resumes_bit_for_bit(saved_tiny, tmp_path, monkeypatch):
     """Stopped while pruning block 1: the finished block stays in the staging shards and the checkpoint, and the
     same call prunes block 1 only and saves what an uninterrupted run saves."""
@@ -79,3 +90,29 @@ def test_interrupted_blockwise_job_resumes_bit_for_bit(saved_tiny, tmp_path, mon
     untimed = lambda rows: [{k: v for k, v in row.items() if not k.startswith("seconds")} for row in rows]  # noqa: E731
     assert untimed(report["layers"]) == untimed(reference["layers"])
     assert not (out / STATE_DIR).exists() and not (out / STAGING_DIR).exists()
+
+
+def test_torchrun_blockwise_job_equals_one_process(saved_tiny, tmp_path):
+    """``torchrun --nproc-per-node=2 ... prune --blockwise --distributed`` (gloo) writes the files and layer losses
+    of one ``--blockwise`` process with the same ``--calib-shards``; rank 0 alone reports and nothing is left over."""
+    args = ["prune", "--model", str(saved_tiny), "--blockwise", "--eval", "none", "--nsamples", "2", "--holdout", "2",
+            "--batch-size", "1", "--calib-shards", "2", "--seqlen", "16", "--max-iters", "2", "--quiet"]  # fmt: skip
+    env = os.environ | {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    cli = [sys.executable, "-m", "sparseswaps_prune.cli"]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
+                "sparseswaps_prune.cli"]  # fmt: skip
+    runs = {}
+    for name, launch, extra in (("one", cli, []), ("two", torchrun, ["--distributed"])):
+        runs[name] = subprocess.run([*launch, *args, *extra, "--out", str(tmp_path / name)], capture_output=True,
+                                    text=True, env=env, cwd=tmp_path, timeout=600)  # fmt: skip
+        assert runs[name].returncode == 0, runs[name].stderr
+    assert runs["two"].stdout.count("final layer loss") == 1  # rank 0 alone reports
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert sorted(p.name for p in one.iterdir()) == sorted(p.name for p in two.iterdir())
+    assert (two / "model.safetensors").read_bytes() == (one / "model.safetensors").read_bytes()
+    report_one, report_two = (json.loads((d / "report.json").read_text()) for d in (one, two))
+    untimed = lambda rows: [{k: v for k, v in row.items() if not k.startswith("seconds")} for row in rows]  # noqa: E731
+    assert untimed(report_two["layers"]) == untimed(report_one["layers"])
+    assert report_two["config"] == report_one["config"] | {"distributed": True}
+    assert report_two["memory"]["world_size"] == 2 and report_two["memory"]["rank"] == 0
+    assert not (two / STATE_DIR).exists() and not (two / STAGING_DIR).exists()
