@@ -210,7 +210,7 @@ def _setup(
     xx = (xx.T / norm).T
     w = (weight.detach().to(dtype) * norm).T
     diag = torch.arange(xx.shape[0], device=xx.device)
-    xx[diag, diag] += damp * torch.diagonal(xx).mean()
+    xx[diag, diag] += damp * torch.diag(xx).mean()  # torch.diag: a contiguous copy, summed as the original sums it
     xy = xx.matmul(w)
     xx[diag, diag] += rho
     return norm, torch.inverse(xx), xy, w

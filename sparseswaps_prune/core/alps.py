@@ -261,7 +261,7 @@ def _setup(
     """Return ``(n [d_in], G' [d_in, d_in], G' B0 [d_in, d_out], B0 [d_in, d_out])`` in ``dtype``."""
     xtx = gram.detach().to(device=weight.device, dtype=dtype).clone()
     diag = torch.arange(xtx.shape[0], device=xtx.device)
-    xtx[diag, diag] += damp * torch.mean(torch.diagonal(xtx)).item()
+    xtx[diag, diag] += damp * torch.mean(torch.diag(xtx)).item()  # a contiguous copy, summed as the original sums it
     x_norm = torch.diagonal(xtx).clamp_min(0).sqrt() + NORM_EPS
     xtx = xtx / x_norm
     xtx = (xtx.T / x_norm).T

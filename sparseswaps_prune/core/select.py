@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Literal
 
+import numpy as np
 import torch
 
 from sparseswaps_prune.core.checks import check_budget, kept_per_row
@@ -43,8 +44,37 @@ def select_mask(
 
 def keep_top(scores: torch.Tensor, k: int | torch.Tensor) -> torch.Tensor:
     """Bool mask of the ``k`` largest entries along the last dim (``k`` an int, or a tensor broadcasting
-    against ``scores[..., :1]`` for per-row counts); stable, so among equal scores the lower index is kept."""
+    against ``scores[..., :1]`` for per-row counts); stable, so among equal scores the lower index is kept.
+
+    ``scores`` ``[..., n]`` (not modified). For float32/float64 scores on the CPU with an int ``k`` the mask is
+    found without sorting (:func:`_keep_top_by_threshold`: the k-th largest value by a linear-time partition, then
+    ties by index): the same mask as the stable sort in linear time (``tests/core/test_select.py``). NaN scores,
+    per-row counts, other dtypes and devices take the sort."""
+    n = scores.shape[-1]
+    if isinstance(k, int) and scores.device.type == "cpu":
+        if scores.dtype in (torch.float32, torch.float64):
+            values = scores.detach().contiguous().numpy()
+            if not np.isnan(values).any():
+                return torch.from_numpy(_keep_top_by_threshold(values, k))
     order = torch.sort(scores, dim=-1, descending=True, stable=True).indices
-    position = torch.arange(scores.shape[-1], device=scores.device).expand_as(scores)
+    position = torch.arange(n, device=scores.device).expand_as(scores)
     keep = torch.zeros_like(scores, dtype=torch.bool)
     return keep.scatter_(-1, order, position < k)
+
+
+def _keep_top_by_threshold(values: np.ndarray, k: int) -> np.ndarray:
+    """:func:`keep_top` for an int ``k`` and NaN-free ``values`` ``[..., n]`` (a float array): every entry above the
+    k-th largest value ``t`` of its row (``numpy.partition``, introselect), then the lowest-index entries equal to
+    ``t`` until ``k`` are kept (what the stable descending sort keeps; ``-0.0 == 0.0`` there as here)."""
+    n = values.shape[-1]
+    if k <= 0:
+        return np.zeros(values.shape, dtype=bool)
+    if k >= n:
+        return np.ones(values.shape, dtype=bool)
+    threshold = np.partition(values, n - k, axis=-1)[..., n - k : n - k + 1]
+    keep = values > threshold
+    ties = values == threshold
+    room = k - keep.sum(axis=-1, keepdims=True)
+    if not np.array_equal(ties.sum(axis=-1, keepdims=True), room):  # more ties than room: the lowest indices
+        ties &= np.cumsum(ties, axis=-1) <= room
+    return keep | ties

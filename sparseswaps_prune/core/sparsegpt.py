@@ -191,7 +191,7 @@ def _pruned_per_block(sparsity: float, d_in: int, blocksize: int, units: int) ->
 def _upper_cholesky_of_inverse(hessian: torch.Tensor, damp: float) -> torch.Tensor:
     """``chol(inv(H + damp * mean(diag H) I), upper=True)``; ``hessian`` is dampened in place."""
     diag = torch.arange(hessian.shape[0], device=hessian.device)
-    hessian[diag, diag] += damp * torch.mean(torch.diagonal(hessian))
+    hessian[diag, diag] += damp * torch.mean(torch.diag(hessian))  # a contiguous copy, summed as the original sums it
     factor, info = torch.linalg.cholesky_ex(hessian)
     if int(info) == 0:
         factor, info = torch.linalg.cholesky_ex(torch.cholesky_inverse(factor), upper=True)
