@@ -46,9 +46,7 @@ def main(argv: list[str] | None = None) -> None:
 
     # The warmstart masks alone, for comparison (global_unstructured does not return the method).
     dense = [layer.weight.detach().clone() for layer in layers]
-    warm = [
-        warmstart_mask(w, args.start, gram=g, sparsity=args.sparsity) for w, g in zip(dense, grams, strict=True)
-    ]
+    warm = [warmstart_mask(w, args.start, gram=g, sparsity=args.sparsity) for w, g in zip(dense, grams, strict=True)]
 
     # 2. Prune: one call, each layer still gets its own per-row budget and its own Gram.
     params = [(layer, "weight") for layer in layers]

@@ -20,6 +20,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["TrainableSelection", "mark_trainable", "parameter_groups"]
 
+
 @dataclass
 class TrainableSelection:
     """What :func:`mark_trainable` left trainable.

@@ -203,9 +203,7 @@ def test_layer_without_calibration_tokens_is_named():
 
 def test_include_exclude_patterns():
     model = tiny_model("llama")
-    result = prune_model(
-        model, calib(), opts(max_iters=2, include=["*.mlp.*"], exclude=["*down_proj"]), progress=False
-    )
+    result = prune_model(model, calib(), opts(max_iters=2, include=["*.mlp.*"], exclude=["*down_proj"]), progress=False)
     assert sorted({r.kind for r in result.layers}) == ["gate_proj", "up_proj"]
 
 
