@@ -16,6 +16,7 @@ from sparseswaps_prune.core.spec import DEFAULT_SPEC, DSnoTRefine, PruneSpec, Sw
 from sparseswaps_prune.llm.data import load_calibration
 from sparseswaps_prune.llm.layers import find_blocks
 from sparseswaps_prune.llm.models import load_model
+from sparseswaps_prune.llm.pipeline import PruneOptions
 from sparseswaps_prune.modules import find_layers, input_hooks
 
 Grams = dict[str, dict[str, GramAccumulator]]  # layer name -> {"small", "large", "holdout"}
@@ -57,7 +58,7 @@ def capture_grams(blocks: list[int], small: int, large: int, holdout: int, seqle
     return weights, grams
 
 
-# setting option (--extra) -> parser of its value (the build_spec options, and dsnot_skip)
+# setting option (--extra) -> parser of its value (the build_spec options, dsnot_skip, and the pipeline's)
 _OPTION_TYPES: dict[str, Callable[[str], Any]] = {
     "start": str,
     "start_damp": float,
@@ -74,7 +75,12 @@ _OPTION_TYPES: dict[str, Callable[[str], Any]] = {
     "ridge": str,
     "guard": lambda v: {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}[v.lower()],
     "dsnot_skip": lambda v: None if v.lower() == "none" else v,
+    "profile": str,
+    "owl_m": float,
+    "owl_lambda": float,
 }
+# setting options that are pipeline options (PruneOptions fields), not a layer's spec: setting name -> field
+_PIPELINE_OPTIONS = {"profile": "sparsity_profile", "owl_m": "owl_m", "owl_lambda": "owl_lambda"}
 _WEIGHT_NAMES = {"start": "start weights", "admm_update": "admm update", "alps_update": "alps update"}
 
 
@@ -102,6 +108,12 @@ def parse_setting(text: str) -> dict[str, Any]:
 def setting_spec(setting: dict[str, Any], pattern: str, max_iters: int) -> PruneSpec:
     """The spec of one setting at one pattern: ``DEFAULT_SPEC`` with the pattern's budget, then ``setting``'s
     options (``scope="layer"`` dropped at N:M), then T=``max_iters`` unless the setting gives ``max_iters``."""
+    pipeline = sorted(setting.keys() & _PIPELINE_OPTIONS.keys())
+    if pipeline:
+        raise ValueError(
+            f"{', '.join(pipeline)} set the pipeline's block budgets (PruneOptions), not a layer's spec; they apply to "
+            "the whole-model runs of compare_methods.py only"
+        )
     budget = pattern_options(pattern)
     options = dict(setting)
     skip = options.pop("dsnot_skip", "unset")
@@ -115,6 +127,16 @@ def setting_spec(setting: dict[str, Any], pattern: str, max_iters: int) -> Prune
             raise ValueError(f"dsnot_skip is an option of refine='dsnot', but refine is {spec.refine.name!r}")
         spec = dataclasses.replace(spec, refine=dataclasses.replace(spec.refine, skip=skip))
     return spec
+
+
+def setting_options(setting: dict[str, Any], pattern: str, max_iters: int) -> PruneOptions:
+    """The pipeline options of one setting at one pattern: :func:`setting_spec` of its spec options, and its
+    pipeline options (``profile``: ``PruneOptions.sparsity_profile``, ``owl_m``, ``owl_lambda``), validated."""
+    fields = {_PIPELINE_OPTIONS[key]: value for key, value in setting.items() if key in _PIPELINE_OPTIONS}
+    spec = setting_spec({k: v for k, v in setting.items() if k not in _PIPELINE_OPTIONS}, pattern, max_iters)
+    options = PruneOptions(spec=spec, **fields)
+    options.validate()
+    return options
 
 
 def _changed(stage: Any, skip: tuple[str, ...] = ()) -> str:
@@ -147,3 +169,10 @@ def label(spec: PruneSpec) -> str:
     guarded = getattr(weights, "guard", False)
     weight_text = _WEIGHT_NAMES.get(weights.kind, weights.name) + _changed(weights, skip=("guard", "solver"))
     return f"{start} -> {text} -> {weight_text}" + (" (guarded)" if guarded else "")
+
+
+def options_label(options: PruneOptions) -> str:
+    """:func:`label` of the spec, and a non-uniform block profile, e.g. ``wanda -> ... -> ls, owl M=5 lambda=0.08``."""
+    if options.sparsity_profile == "uniform":
+        return label(options.spec)
+    return f"{label(options.spec)}, {options.sparsity_profile} M={options.owl_m:g} lambda={options.owl_lambda:g}"

@@ -33,6 +33,15 @@ re-fit), ``weights=keep`` (SparseSwaps masks only). Each row is labelled by its 
 differs from that stage's default is named in the label (``ls damp 0.001 ridge mean (guarded)``,
 ``sparsegpt damp 0.05``).
 
+Block budgets. ``profile=owl`` (with ``owl_m``, ``owl_lambda``; ``PruneOptions.sparsity_profile``, ``owl_m``,
+``owl_lambda``) prunes each block at OWL's sparsity, the pattern's on average (sparsity patterns only); the label
+ends in ``, owl M=5 lambda=0.08``. OWL against the uniform default at 60% and 70%:
+
+    python benchmarks/compare_methods.py --out /tmp/owl --patterns 60% 70% --starts --refiners \
+        --extra default profile=owl "refine=none,weights=keep" "profile=owl,refine=none,weights=keep"
+
+(the default spec, and Wanda alone, each with uniform and OWL budgets).
+
 ADMM and ALPS against SparseGPT and the default (``--preset admm-alps``, the settings of :data:`PRESETS`): ADMM,
 ALPS and SparseGPT as published (layer-wise selection, their own weights), the current default, and ADMM's and
 ALPS's masks as the start of SparseSwaps + re-fit, and ALPS's mask with the re-fit alone:
@@ -43,9 +52,10 @@ ALPS's masks as the start of SparseSwaps + re-fit, and ALPS's mask with the re-f
 ``--extra "start=admm,scope=layer,refine=none,weights=start" "start=alps,scope=layer,refine=none,weights=start"
 "start=sparsegpt,scope=layer,refine=none,weights=obs" default start=admm start=alps "start=alps,refine=none"``.
 
-Saved rows are re-used only if the spec they record (``row["options"]["spec"]``) equals the setting's spec: rows
-written before the typed spec (issue 16: ``PruneOptions(warmstart=..., refit=...)``, labels joined by ``+``) or
-with other stage defaults are never read; they are re-run (and with ``--report-only`` skipped with a note).
+Saved rows are re-used only if the options they record (``row["options"]``, a ``PruneOptions``; fields added since
+take their defaults) equal the setting's: rows written before the typed spec (issue 16: ``PruneOptions(warmstart=...,
+refit=...)``, labels joined by ``+``) or with other stage defaults are never read; they are re-run (and with
+``--report-only`` skipped with a note).
 """
 
 from __future__ import annotations
@@ -62,14 +72,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import label, parse_setting, setting_spec
+from common import options_label, parse_setting, setting_options
 
 from sparseswaps_prune.atomic import atomic_write, save_json
 from sparseswaps_prune.core.spec import (
     REFINES,
     STARTS,
     WEIGHTS,
-    PruneSpec,
 )
 from sparseswaps_prune.llm.data import load_calibration, load_eval_tokens
 from sparseswaps_prune.llm.experiment import Experiment
@@ -90,22 +99,24 @@ PRESETS: dict[str, list[str]] = {
 }
 
 
-def row_path(out: Path, pattern: str, spec: PruneSpec) -> Path:
+def row_path(out: Path, pattern: str, options: PruneOptions) -> Path:
     """``--out``/``60__wanda__sparseswaps_T=25__ls_guarded.json``: the pattern and the label, file-name safe."""
-    name = f"{pattern.replace(':', 'of').rstrip('%')}__{label(spec).replace(' -> ', '__').replace('/', '-')}"
+    text = options_label(options).replace(" -> ", "__").replace("/", "-")
+    name = f"{pattern.replace(':', 'of').rstrip('%')}__{text}"
     return out / f"{re.sub(r'[^A-Za-z0-9_.=+-]+', '_', name).strip('_')}.json"
 
 
-def load_row(path: Path, spec: PruneSpec) -> dict[str, Any] | None:
-    """The row saved at ``path`` if it was pruned with ``spec``, else None (missing, or another spec)."""
+def load_row(path: Path, options: PruneOptions) -> dict[str, Any] | None:
+    """The row saved at ``path`` if it was pruned with ``options``, else None (missing, or other options; fields
+    added to ``PruneOptions`` since the row was written take their defaults)."""
     if not path.exists():
         return None
     row = json.loads(path.read_text())
     try:
-        saved = PruneSpec.from_dict(row["options"]["spec"])
+        saved = PruneOptions.from_dict(row["options"])
     except (KeyError, TypeError, ValueError):
         return None
-    return row if saved == spec else None
+    return row if saved == options else None
 
 
 def format_row(pattern: str, name: str, row: dict[str, Any]) -> str:
@@ -201,15 +212,15 @@ def main(
     args = parser.parse_args(argv)
 
     # every setting is checked at every pattern before anything runs
-    runs: list[tuple[str, PruneSpec]] = []
+    runs: list[tuple[str, PruneOptions]] = []
     for pattern in args.patterns:
         for text, setting in settings_of(args):
             try:
-                spec = setting_spec(setting, pattern, args.max_iters)
+                options = setting_options(setting, pattern, args.max_iters)
             except (TypeError, ValueError) as err:
                 raise SystemExit(f"setting {text!r} at {pattern}: {err}") from None
-            if (pattern, spec) not in runs:
-                runs.append((pattern, spec))
+            if (pattern, options) not in runs:
+                runs.append((pattern, options))
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -230,15 +241,15 @@ def main(
     print("|---|---|---|---|---|---|---|---|")
     results: dict[str, list[dict[str, Any]]] = {}
     missing = []
-    for pattern, spec in runs:
-        name, path = label(spec), row_path(out, pattern, spec)
-        row = load_row(path, spec)
+    for pattern, options in runs:
+        name, path = options_label(options), row_path(out, pattern, options)
+        row = load_row(path, options)
         if row is None:
             if args.report_only:
                 missing.append(f"{pattern} {name}")
                 continue
             start = time.perf_counter()
-            row = exp().run(PruneOptions(spec=spec))
+            row = exp().run(options)
             row["seconds_wall"] = time.perf_counter() - start
             save_json(row, path)
         print(format_row(pattern, name, row), flush=True)

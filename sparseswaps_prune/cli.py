@@ -17,6 +17,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from sparseswaps_prune.core.budgets import OWL_LAMBDA, OWL_M, PROFILES
 from sparseswaps_prune.core.spec import (
     DEFAULT_SPEC,
     OBJECTIVES,
@@ -59,14 +60,19 @@ def job_config(args: argparse.Namespace) -> JobConfig:
         objective=args.objective, search_dtype=args.search_dtype, backend=args.backend, swap_scope=args.swap_scope,
         weights=args.weights, damp=args.damp, guard=args.guard, ridge=args.ridge,
     )  # fmt: skip
+    profile = {name: getattr(args, name) for name in _PROFILE_FIELDS if getattr(args, name) is not None}
+    if args.sparsity_profile != "owl" and profile.keys() - {"sparsity_profile"}:
+        given = ", ".join(f"--{name.replace('_', '-')}" for name in profile if name != "sparsity_profile")
+        raise ValueError(f"{given} set OWL's budgets: add --sparsity-profile owl, or drop them")
     options = PruneOptions(
         spec=spec, include=args.include, exclude=args.exclude, gram_dtype=args.gram_dtype,
-        calib_shards=args.calib_shards,
+        calib_shards=args.calib_shards, row_shards=args.row_shards, **profile,
     )  # fmt: skip
     given = {name: getattr(args, name) for name in _JOB_FIELDS if getattr(args, name) is not None}
     return JobConfig(prune=options, **given)
 
 
+_PROFILE_FIELDS = ("sparsity_profile", "owl_m", "owl_lambda")
 _JOB_FIELDS = (
     "model", "gguf_file", "calib", "nsamples", "seqlen", "holdout", "eval", "eval_windows", "device", "dtype", "seed",
     "batch_size", "blockwise", "distributed",
@@ -195,6 +201,19 @@ def _add_prune_options(p: argparse.ArgumentParser) -> None:
     pattern.add_argument("--sparsity", type=float, help=f"fraction pruned (default {spec.budget.sparsity})")
     pattern.add_argument("--nm", type=_nm, help="N:M pattern instead of --sparsity, e.g. 2:4")
     budget.add_argument("--scope", choices=SCOPES, help=f"budget per row or per layer (default {spec.budget.scope})")
+    budget.add_argument(
+        "--sparsity-profile", choices=PROFILES,
+        help="the same --sparsity in every block, or OWL's (Yin et al. 2023): blocks whose Wanda scores have more "
+        "outliers pruned less, the mean over blocks --sparsity (one extra dense forward; not with --nm, --blockwise "
+        "or --distributed) (default uniform)",
+    )  # fmt: skip
+    budget.add_argument(
+        "--owl-m", type=float, help=f"OWL: scores above M times the block's mean are outliers (default {OWL_M:g})"
+    )
+    budget.add_argument(
+        "--owl-lambda", type=float,
+        help=f"OWL: the block sparsities span at most 2 * lambda around --sparsity (default {OWL_LAMBDA:g})",
+    )  # fmt: skip
 
     start = p.add_argument_group("start (the mask refinement starts from)")
     start.add_argument("--start", choices=STARTS, help=f"start mask (default {spec.start.name})")
@@ -295,6 +314,12 @@ def _add_prune_options(p: argparse.ArgumentParser) -> None:
         help="this process is one rank launched by torchrun (torchrun --nproc-per-node N -m sparseswaps_prune.cli "
         "prune --distributed ...): gloo on the CPU, NCCL on GPUs (one per rank); layers, and with --calib-shards "
         "the calibration windows, are divided across the ranks; rank 0 evaluates and writes; combines with --blockwise",
+    )  # fmt: skip
+    run.add_argument(
+        "--row-shards", type=int, default=0,
+        help="with --distributed, also divide the rows of layers among the ranks in shards of at least this many rows "
+        "where the spec treats rows apart (e.g. 256); the last bits may then differ from one process (default 0: "
+        "whole layers)",
     )  # fmt: skip
     run.add_argument("--out", required=True, help="output directory (resumes if it holds an unfinished run)")
     run.add_argument("--quiet", action="store_true", help="no progress bars, one summary line")

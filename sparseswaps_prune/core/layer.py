@@ -81,6 +81,8 @@ class LayerOutcome:
         updated_rows: fraction of rows that keep the weight update (below 1 only when the held-out guard rejects
             some); None when the weights are kept.
         seconds_mask: time of the start and refine stages; seconds_weights: time of the weight stage.
+        row_updated: ``[d_out]`` bool CPU, the rows that keep the weight update (``updated_rows`` is its mean);
+            None when the weights are kept.
     """
 
     keep_mask: torch.Tensor
@@ -93,6 +95,44 @@ class LayerOutcome:
     updated_rows: float | None
     seconds_mask: float
     seconds_weights: float
+    row_updated: torch.Tensor | None = None
+
+    @classmethod
+    def cat(cls, parts: list[LayerOutcome]) -> LayerOutcome:
+        """The outcome of a layer from the outcomes of consecutive slices of its rows (row shards, in row order): the
+        per-row tensors concatenated (on the CPU), ``iters`` the largest (every row stage counts the iterations of
+        its busiest row), the times summed. A stage that treats rows apart
+        (:attr:`~sparseswaps_prune.core.spec.PruneSpec.row_separable`) gives the whole layer's outcome this way."""
+        if len(parts) == 1:
+            return parts[0]
+
+        def cat(tensors: list[torch.Tensor | None]) -> torch.Tensor | None:
+            return None if tensors[0] is None else torch.cat([t.cpu() for t in tensors])
+
+        def losses(stages: list[StageLosses | None]) -> StageLosses | None:
+            if stages[0] is None:
+                return None
+            return StageLosses(*(cat([getattr(s, f) for s in stages]) for f in ("start", "refined", "final")))
+
+        row_updated = cat([p.row_updated for p in parts])
+        return cls(
+            keep_mask=cat([p.keep_mask for p in parts]),
+            start_mask=cat([p.start_mask for p in parts]),
+            weight=cat([p.weight for p in parts]),
+            loss=losses([p.loss for p in parts]),
+            holdout=losses([p.holdout for p in parts]),
+            n_swaps=cat([p.n_swaps for p in parts]),
+            iters=max(p.iters for p in parts),
+            updated_rows=None if row_updated is None else _mean(row_updated),
+            seconds_mask=sum(p.seconds_mask for p in parts),
+            seconds_weights=sum(p.seconds_weights for p in parts),
+            row_updated=row_updated,
+        )
+
+
+def _mean(row_updated: torch.Tensor) -> float:
+    """``LayerOutcome.updated_rows`` of its ``row_updated``."""
+    return float(row_updated.double().mean())
 
 
 def start_stage(
@@ -244,7 +284,7 @@ def _prune_layer(
 
     published = isinstance(spec.weights, StartWeights)
     final = _final_weights(weight, gram, mask, spec, start_weight if published else searched_weight, device)
-    holdout, updated_rows = None, None if final is None else 1.0
+    holdout, row_updated = None, None if final is None else torch.ones(weight.shape[0], dtype=torch.bool)
     if holdout_gram is not None:
         held_refined = row_losses(weight, holdout_gram, mask)
         held_final = held_refined
@@ -261,7 +301,7 @@ def _prune_layer(
                 better = held_final < held_fallback
                 final = torch.where(better[:, None], final, fallback)
                 held_final = torch.where(better, held_final, held_fallback)
-                updated_rows = float(better.double().mean())
+                row_updated = better.cpu()
         holdout = StageLosses(
             start=row_losses(weight, holdout_gram, start).cpu(), refined=held_refined.cpu(), final=held_final.cpu()
         )
@@ -274,9 +314,10 @@ def _prune_layer(
         holdout=holdout,
         n_swaps=n_swaps.cpu(),
         iters=iters,
-        updated_rows=updated_rows,
+        updated_rows=None if row_updated is None else _mean(row_updated),
         seconds_mask=seconds_mask,
         seconds_weights=time.perf_counter() - started - seconds_mask,
+        row_updated=row_updated,
     )
 
 

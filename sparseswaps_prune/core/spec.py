@@ -474,6 +474,36 @@ class PruneSpec:
         """True if the final kept weights differ from the original ones (a re-fit or OBS update)."""
         return not isinstance(self.weights, KeepWeights)
 
+    @property
+    def row_obstacle(self) -> str | None:
+        """Why the rows of a layer cannot be pruned apart (None: they can, :attr:`row_separable`)."""
+        if self.budget.scope != "row":
+            return "a per-layer budget (scope='layer') selects weights across rows"
+        if isinstance(self.start, ScoreStart) and self.start.score == "ria":
+            return "RIA's scores divide by column sums over all rows"
+        why = {
+            "sparsegpt": "its float32 OBS updates of a few rows round differently from those of many",
+            "obs": "its float32 OBS updates of a few rows round differently from those of many",
+            "admm": "it is not verified row by row (float32 products on the transposed layer)",
+            "alps": "its penalty schedule counts the mask changes of the whole layer",
+        }
+        if not isinstance(self.start, ScoreStart):
+            return f"the {self.start.name} start does not treat rows apart: {why[self.start.name]}"
+        if not isinstance(self.weights, (KeepWeights, LeastSquares)):
+            return f"the {self.weights.name} weight update does not treat rows apart: {why[self.weights.name]}"
+        return None
+
+    @property
+    def row_separable(self) -> bool:
+        """True when every stage treats each output row on its own, so that :func:`~sparseswaps_prune.core.layer.
+        prune_layer` on a slice of rows gives those rows of the whole layer's outcome (the distributed pipeline's
+        row shards, ``PruneOptions.row_shards``): a per-row or N:M budget, a magnitude or Wanda start, any
+        refinement (SparseSwaps then swaps within rows; DSnoT is per row) and kept or least-squares weights (direct
+        or CG, guarded or not). Not separable: per-layer budgets, RIA (column sums), and the SparseGPT, ADMM and
+        ALPS starts and updates. Equal bits also need the BLAS to round each row's products independently of how
+        many rows are multiplied together (see :mod:`~sparseswaps_prune.llm.distributed`)."""
+        return self.row_obstacle is None
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict; each stage carries its ``kind`` (``PruneSpec.from_dict`` inverts it)."""
         out: dict[str, Any] = {"budget": dataclasses.asdict(self.budget)}

@@ -1,9 +1,35 @@
-"""Dividing the work of a decoder block across ``torch.distributed`` ranks: its layers, and its calibration windows.
+"""Dividing the work of a decoder block across ``torch.distributed`` ranks: its layers (whole, or by rows), and its
+calibration windows.
 
-**Layers.** Every rank runs the same block-wise pipeline on the same model: each prunes only the layers assigned to
-it (:func:`assign_layers`), and then receives the others' results by broadcast, in layer order, so that every rank
-holds identical weights after each block. The per-layer results do not depend on one another within a block (every
-Gram is accumulated on the dense block before any layer is masked).
+**Layers.** Every rank runs the same block-wise pipeline on the same model: each prunes only its units of the block's
+work plan (:func:`plan_work`; by default whole layers, largest estimated cost ``d_out * d_in^2`` first to the least
+loaded rank, :func:`assign_layers`), and then receives the others' results by broadcast, in layer order, so that every
+rank holds identical weights after each block. The per-layer results do not depend on one another within a block
+(every Gram is accumulated on the dense block before any layer is masked).
+
+**Row shards** (``PruneOptions.row_shards=n``, 0 by default: off). Whole layers balance badly: a LLaMA block has 7
+layers and its ``down_proj`` alone costs over half of the block, so 8 ranks wait for one. When the spec treats every
+output row on its own (:attr:`~sparseswaps_prune.core.spec.PruneSpec.row_separable`: a per-row or N:M budget, a
+magnitude or Wanda start, any refinement within rows, kept or least-squares weights), :func:`plan_work` also cuts layers
+into contiguous row shards of at least ``n`` rows, filling the ranks to an even estimated load (rows cost ``d_in^2``
+each; the planned load of a LLaMA-3.1-8B block is within 1% of the mean on 2 to 16 ranks with shards of 32 to 256 rows,
+and within 13% with 512). Each rank runs ``prune_layer`` on its rows (``weight[start:stop]``, the layer's Grams), the
+shards' outcomes are broadcast in row order, and every rank assembles the layer
+(:meth:`~sparseswaps_prune.core.layer.LayerOutcome.cat`: per-row masks, weights and losses concatenated, so the reported
+totals are the same ``sum`` over the same per-row vector as in one process; ``iters`` is the largest shard's, every row
+stage counting the iterations of its busiest row; the seconds are summed over the shards). Every rank holds the same
+result.
+
+It equals one process's bit for bit only if the BLAS rounds each row of a product such as ``W[rows] @ G`` the same
+whatever the number of rows. MKL (the CPU wheels') does not at every width: it multiplies a few rows by other kernels
+than many. Measured on this build (float64 ``[M, K] @ [K, K]``, rows of slices of ``s`` rows against the whole): equal
+at ``K = 576`` and ``768`` for every ``s >= 2``; at ``K = 1000, 1536, 2048, 3072, 4096`` they differ in the last bits
+for ``s`` up to 64 to 256 (depending on ``K`` and the thread count), and at 2 threads ``K = 4096`` also ``s = 512``
+against ``M = 1024``; a one-row product (matrix-vector) almost always differs. The tiny test models
+(``tests/llm/test_distributed.py``) and a SmolLM2 ``down_proj`` cut in halves are equal bit for bit. Where rounding
+differs, row shards differ from one process in the last bits of losses and re-fitted weights, and rarely in a near-tied
+swap; hence row shards are off by default, and a few hundred rows (:data:`MIN_SHARD_ROWS`) is a sensible ``n``.
+cuBLAS also picks kernels by shape (not measured here).
 
 **Calibration windows** (``PruneOptions.calib_shards``, :class:`WindowShards`). The calibration windows, and the
 held-out windows apart, are split into ``calib_shards`` contiguous shards of whole batches. Each shard's partial
@@ -36,7 +62,16 @@ import torch.distributed as dist
 from sparseswaps_prune.core.gram import GramAccumulator
 from sparseswaps_prune.modules import PrunableLayer
 
-__all__ = ["Ranks", "WindowShards", "assign_layers", "init_from_env", "sum_shard_grams"]
+__all__ = [
+    "MIN_SHARD_ROWS",
+    "Ranks",
+    "WindowShards",
+    "WorkUnit",
+    "assign_layers",
+    "init_from_env",
+    "plan_work",
+    "sum_shard_grams",
+]
 
 # What torchrun (torch.distributed.run) sets for every process it launches.
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -66,25 +101,112 @@ def init_from_env(device: str | torch.device = "cpu") -> Ranks:
     return Ranks.current()
 
 
-def assign_layers(layers: Sequence[PrunableLayer], world_size: int) -> list[int]:
-    """The rank that prunes each layer: largest estimated cost first, each to the least loaded rank (ties to the
-    lowest rank). The cost of a layer is ``d_out * d_in^2`` (its swap search and losses scale with it).
+# The default fewest rows of a row shard (plan_work; PruneOptions.row_shards=n sets it): smaller pieces are hardly
+# worth a broadcast, and MKL multiplies a few rows by other kernels than many (a one-row product by matrix-vector),
+# which round differently (see the module docstring).
+MIN_SHARD_ROWS = 256
 
-    Deterministic: every rank computes the same assignment from the layer shapes alone.
+
+@dataclass(frozen=True)
+class WorkUnit:
+    """Rows ``start:stop`` of ``layers[layer]`` of a block, pruned by ``rank``."""
+
+    layer: int
+    start: int
+    stop: int
+    rank: int
+
+
+def plan_work(
+    layers: Sequence[PrunableLayer],
+    world_size: int,
+    split: Sequence[bool] | None = None,
+    min_rows: int = MIN_SHARD_ROWS,
+) -> list[WorkUnit]:
+    """Divide the layers of a block among ``world_size`` ranks, whole or (where ``split[j]``) by contiguous row shards.
+
+    The estimated cost of a row is ``d_in^2`` (a layer's swap search, re-fit and losses scale with ``d_out *
+    d_in^2``). Whole layers go first, largest first, each to the least loaded rank (ties to the lowest rank); without
+    ``split`` that is the whole plan (:func:`assign_layers`). Then the splittable layers, in layer order, fill the
+    ranks in rank order up to the water level ``T``, the least load that leaves room for all of them above the whole
+    layers' loads (``ceil(total / world_size)`` when all layers may be split; McNaughton's wrap-around rule, in whole
+    rows): a shard has at least ``min_rows`` rows, a rank with room for fewer is passed over, and rows left once every
+    rank is full (rounding, or ``min_rows`` above the room left) go, ``min_rows`` or more at a time, to the least loaded
+    rank.
+
+    Deterministic, in integers: every rank computes the same plan from the layer shapes alone.
+
+    Args:
+        layers: the block's layers (``d_out``, ``d_in``).
+        world_size: the number of ranks.
+        split: per layer, whether its rows may be divided (None: no layer is).
+        min_rows: the fewest rows of a shard (a layer with fewer than ``2 * min_rows`` rows stays whole).
+
+    Returns:
+        The units in layer order, and within a layer in row order; together they cover every row once.
+
+    Raises:
+        ValueError: ``world_size`` or ``min_rows`` below 1, or ``split`` not one flag per layer.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be at least 1, got {world_size}")
+    if min_rows < 1:
+        raise ValueError(f"min_rows must be at least 1, got {min_rows}")
+    split = [False] * len(layers) if split is None else list(split)
+    if len(split) != len(layers):
+        raise ValueError(f"split has {len(split)} flags for {len(layers)} layers")
+    row_cost = [layer.d_in**2 for layer in layers]
+    cost = [layer.d_out * c for layer, c in zip(layers, row_cost, strict=True)]
+    load = [0] * world_size
+    units: list[WorkUnit] = []
+    for j in sorted((j for j in range(len(layers)) if not split[j]), key=lambda j: (-cost[j], j)):
+        rank = min(range(world_size), key=lambda r: (load[r], r))
+        units.append(WorkUnit(j, 0, layers[j].d_out, rank))
+        load[rank] += cost[j]
+    target = _water_level(load, sum(c for c, s in zip(cost, split, strict=True) if s))
+    rank = 0
+    for j in (j for j in range(len(layers)) if split[j]):
+        start, d_out = 0, layers[j].d_out
+
+        def room(r: int, j: int = j) -> int:  # the rows rank r can take before reaching the target (rounded)
+            return (target - load[r] + row_cost[j] // 2) // row_cost[j]
+
+        while start < d_out:
+            left = d_out - start
+            while rank < world_size and room(rank) < min(min_rows, left):
+                rank += 1  # full, or room for less than a shard
+            if rank < world_size:
+                owner, rows = rank, min(left, room(rank))
+            else:  # every rank is full (rounding, or min_rows above the room left): shards to the least loaded
+                owner = min(range(world_size), key=lambda r: (load[r], r))
+                rows = min(left, max(min_rows, room(owner)))
+            if left - rows < min_rows:  # no shard below min_rows: take the rest, or leave min_rows, whichever is closer
+                rows = left if left - rows <= rows - (left - min_rows) or left < 2 * min_rows else left - min_rows
+            units.append(WorkUnit(j, start, start + rows, owner))
+            load[owner] += rows * row_cost[j]
+            start += rows
+    return sorted(units, key=lambda u: (u.layer, u.start))
+
+
+def _water_level(load: list[int], extra: int) -> int:
+    """The least level ``T`` (an int) with ``sum(max(0, T - l) for l in load) >= extra``: filling the ranks up to it
+    places ``extra`` more work with the smallest largest load."""
+    low = sorted(load)
+    for k in range(1, len(low) + 1):
+        level = -(-(extra + sum(low[:k])) // k)
+        if k == len(low) or level <= low[k]:
+            return level
+    raise AssertionError("unreachable")
+
+
+def assign_layers(layers: Sequence[PrunableLayer], world_size: int) -> list[int]:
+    """The rank that prunes each (whole) layer: :func:`plan_work` without row shards, i.e. largest estimated cost
+    ``d_out * d_in^2`` first, each to the least loaded rank (ties to the lowest rank).
 
     Returns:
         ``owners[j]`` is the rank of ``layers[j]``.
     """
-    if world_size < 1:
-        raise ValueError(f"world_size must be at least 1, got {world_size}")
-    order = sorted(range(len(layers)), key=lambda j: (-layers[j].d_out * layers[j].d_in ** 2, j))
-    load = [0] * world_size
-    owners = [0] * len(layers)
-    for j in order:
-        rank = min(range(world_size), key=lambda r: (load[r], r))
-        owners[j] = rank
-        load[rank] += layers[j].d_out * layers[j].d_in ** 2
-    return owners
+    return [unit.rank for unit in plan_work(layers, world_size)]
 
 
 @dataclass(frozen=True)

@@ -145,6 +145,9 @@ class JobConfig:
         WindowShards(self.nsamples, self.batch_size, self.prune.calib_shards, what="calibration")
         if self.holdout:
             WindowShards(self.holdout, self.batch_size, self.prune.calib_shards, what="held-out")
+        for name in ("blockwise", "distributed"):
+            if getattr(self, name):
+                self.prune.require_uniform(f"{name}=True (--{name})")
         if self.blockwise:
             self._check_blockwise()
 
@@ -354,7 +357,7 @@ def _save_outputs(
         layers = write_model(staging)
         save_json(config.to_dict(), staging / "config_sparseswaps.json")
         write_csv(layers, staging / "report.csv")
-        plot_stages(layers, staging / "report.png", title=config.prune.spec.describe())
+        plot_stages(layers, staging / "report.png", title=config.prune.describe())
     except BaseException:
         if not resumable:
             shutil.rmtree(staging, ignore_errors=True)
@@ -440,8 +443,8 @@ def summary(report: dict[str, Any]) -> str:
     """Human-readable end-of-run summary: per-layer table, totals, perplexities and time."""
     layers = [LayerReport(**{k: row[k] for k in LayerReport.__dataclass_fields__}) for row in report["layers"]]
     t, ppl = report["totals"], report["perplexity"]
-    spec = PruneOptions.from_dict(report["config"]["prune"]).spec
-    lines = [format_table(layers), "", f"method: {spec.describe()}"]
+    options = PruneOptions.from_dict(report["config"]["prune"])
+    lines = [format_table(layers), "", f"method: {options.describe()}"]
     lines.append(
         f"summed layer loss (calibration): start {t['loss_start']:.6g} -> refined mask {t['loss_refined']:.6g} "
         f"({t['reduction']:.1%} lower; mean per-layer {t['mean_layer_reduction']:.1%}) -> final weights "

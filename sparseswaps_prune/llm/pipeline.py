@@ -11,6 +11,7 @@ from there and gives the same masks and weights.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Iterator
@@ -24,13 +25,15 @@ from torch import nn
 from torch.nn.utils import prune
 from tqdm.auto import tqdm
 
-from sparseswaps_prune.core.checks import check_budget, check_device, check_keeps_some
+from sparseswaps_prune.core.budgets import OWL_LAMBDA, OWL_M, PROFILES, check_owl_m
+from sparseswaps_prune.core.checks import check_budget, check_device, check_keeps_some, check_number
 from sparseswaps_prune.core.gram import GramAccumulator
 from sparseswaps_prune.core.layer import LayerOutcome, prune_layer
-from sparseswaps_prune.core.spec import DEFAULT_SPEC, DSnoTRefine, PruneSpec
+from sparseswaps_prune.core.spec import DEFAULT_SPEC, Budget, DSnoTRefine, PruneSpec
 from sparseswaps_prune.llm import checkpoint, offload
+from sparseswaps_prune.llm.budgets import owl_block_sparsities
 from sparseswaps_prune.llm.capture import BlockInputs, capture_block_inputs
-from sparseswaps_prune.llm.distributed import Ranks, WindowShards, assign_layers, sum_shard_grams
+from sparseswaps_prune.llm.distributed import Ranks, WindowShards, plan_work, sum_shard_grams
 from sparseswaps_prune.llm.layers import find_blocks, group_by_input
 from sparseswaps_prune.modules import PrunableLayer, apply_mask, find_layers, input_hooks, replace_weight_mask
 
@@ -53,6 +56,21 @@ class PruneOptions:
             (:mod:`~sparseswaps_prune.llm.distributed`). With ``distributed=True`` each rank owns whole shards and
             captures and forwards only their windows; results are bit for bit those of one process with the same
             ``calib_shards``, whatever the number of ranks. 1 (the default) sums all windows in one Gram, as always.
+        row_shards: 0 (the default): every rank prunes whole layers. ``n >= 1``: with ``distributed=True``, also
+            divide the rows of layers among the ranks, in contiguous row shards of at least ``n`` rows planned by
+            estimated cost (:func:`~sparseswaps_prune.llm.distributed.plan_work`; e.g. 256,
+            :data:`~sparseswaps_prune.llm.distributed.MIN_SHARD_ROWS`), where the spec treats rows apart
+            (:attr:`~sparseswaps_prune.core.spec.PruneSpec.row_separable`; other specs prune whole layers). Every
+            rank ends with the same weights; they equal one process's bit for bit only where the BLAS rounds each
+            row's products independently of how many rows are multiplied together, which MKL does not do at every
+            width (:mod:`~sparseswaps_prune.llm.distributed`). No effect without ranks.
+        sparsity_profile: ``"uniform"`` (every block at the spec's sparsity) or ``"owl"``: OWL's non-uniform block
+            budgets (:mod:`sparseswaps_prune.core.budgets`), from one dense forward of the calibration windows before
+            the first block (:mod:`~sparseswaps_prune.llm.budgets`): blocks whose Wanda scores have more outliers are
+            pruned less, the mean over blocks is the spec's sparsity. Needs a ``sparsity`` budget (per row or per
+            layer, not N:M); not supported with ``distributed=True`` or the block-wise streaming path in this version.
+        owl_m: OWL's outlier threshold ``M`` (> 0; scores above ``M`` times the block's mean are outliers).
+        owl_lambda: OWL's ``lambda`` (>= 0): the block sparsities span at most ``2 * lambda``.
     """
 
     spec: PruneSpec = DEFAULT_SPEC
@@ -61,6 +79,10 @@ class PruneOptions:
     gram_dtype: str = "float32"
     blocks_path: str | None = None
     calib_shards: int = 1
+    row_shards: int = 0
+    sparsity_profile: str = "uniform"
+    owl_m: float = OWL_M
+    owl_lambda: float = OWL_LAMBDA
 
     def validate(self) -> None:
         """Raise ``ValueError``/``TypeError`` naming the bad option."""
@@ -70,6 +92,38 @@ class PruneOptions:
             raise ValueError(f"gram_dtype must be 'float32' or 'float64', got {self.gram_dtype!r}")
         if isinstance(self.calib_shards, bool) or not isinstance(self.calib_shards, int) or self.calib_shards < 1:
             raise ValueError(f"calib_shards must be a positive int (1: no split), got {self.calib_shards!r}")
+        if isinstance(self.row_shards, bool) or not isinstance(self.row_shards, int) or self.row_shards < 0:
+            raise ValueError(
+                f"row_shards must be an int >= 0 (0: whole layers; n: row shards of at least n rows, e.g. 256), got "
+                f"{self.row_shards!r}"
+            )
+        if self.sparsity_profile not in PROFILES:
+            raise ValueError(f"sparsity_profile must be one of {PROFILES}, got {self.sparsity_profile!r}")
+        check_owl_m(self.owl_m)
+        check_number(self.owl_lambda, "owl_lambda", low=0.0)
+        if self.sparsity_profile == "owl" and self.spec.budget.nm is not None:
+            raise ValueError(
+                f"sparsity_profile='owl' gives each block its own sparsity, but the budget is "
+                f"nm={self.spec.budget.nm}; use sparsity= (--sparsity), or sparsity_profile='uniform' with N:M"
+            )
+
+    def require_uniform(self, what: str) -> None:
+        """Raise ``ValueError`` unless the profile is uniform: ``what`` (e.g. ``"distributed=True (--distributed)"``)
+        does not support other profiles in this version."""
+        if self.sparsity_profile != "uniform":
+            raise ValueError(
+                f"sparsity_profile={self.sparsity_profile!r} is not supported with {what} in this version; use "
+                "sparsity_profile='uniform' (--sparsity-profile uniform) there, or prune in one process in memory"
+            )
+
+    def describe(self) -> str:
+        """The spec's description (:meth:`~sparseswaps_prune.core.spec.PruneSpec.describe`) and a non-uniform
+        profile, e.g. ``60% per row (OWL M=5 lambda=0.08): wanda -> ...``."""
+        text = self.spec.describe()
+        if self.sparsity_profile == "uniform":
+            return text
+        head, sep, tail = text.partition(":")
+        return f"{head} (OWL M={self.owl_m:g} lambda={self.owl_lambda:g}){sep}{tail}"
 
     def to_dict(self) -> dict:
         """JSON-ready dict (``from_dict`` inverts it)."""
@@ -202,7 +256,9 @@ def prune_model(
             of its blocks is materialised on ``device`` and its pruned weights, made permanent there, go back where
             accelerate keeps them (:mod:`~sparseswaps_prune.llm.offload`).
         calib_tokens: ``[n, seqlen]`` int64 calibration windows.
-        options: :class:`PruneOptions`.
+        options: :class:`PruneOptions`. With ``sparsity_profile="owl"`` the calibration windows first run once
+            through the dense model to give each block its budget (:func:`block_options`); a resumed run does that
+            again, before restoring its finished blocks, and gets the same budgets.
         device: compute device for blocks and refinement.
         batch_size: calibration windows per block forward.
         checkpoint_dir: where finished blocks are recorded for resuming (created if missing); one made with
@@ -220,26 +276,34 @@ def prune_model(
             and forwards only its own shards' windows, and the shards' Grams are summed in shard order on every
             rank. Progress is shown on rank 0 only. With ``checkpoint_dir`` (one directory all ranks see) each rank
             records its own inputs and rank 0 the blocks (:mod:`~sparseswaps_prune.llm.checkpoint`); a run stopped
-            anywhere resumes with the same number of ranks to the same result.
+            anywhere resumes with the same number of ranks to the same result. With ``options.row_shards`` the rows
+            of layers are divided too (see :class:`PruneOptions`).
 
     Returns:
         :class:`PruneResult` (reports for every layer, including those of resumed blocks).
 
     Raises:
         ValueError: bad options or layer widths, ``options.calib_shards`` that does not fit the windows or the
-            ranks, or ``checkpoint_dir`` or ``distributed`` with a model whose weights accelerate offloads (naming
-            the fix); :class:`~sparseswaps_prune.llm.checkpoint.CheckpointMismatch` for a checkpoint
+            ranks, ``checkpoint_dir`` or ``distributed`` with a model whose weights accelerate offloads, or
+            ``distributed`` with ``options.sparsity_profile="owl"`` (naming the fix; all before anything is
+            modified); :class:`~sparseswaps_prune.llm.checkpoint.CheckpointMismatch` for a checkpoint
             of another run (another model, data, options or number of ranks).
     """
     options.validate()
+    if distributed:
+        options.require_uniform("distributed=True (--distributed)")
     start = time.perf_counter()
     check_layers(model, options)
     blocks_name, blocks = find_blocks(model, options.blocks_path)
     offload.check_prunable(model, blocks, checkpoint=checkpoint_dir is not None, distributed=distributed)
     device = check_device(device)
     ranks = Ranks.current() if distributed else None
+    if ranks is not None and options.row_shards and not options.spec.row_separable:
+        logger.warning("row_shards=%d prunes whole layers: %s", options.row_shards, options.spec.row_obstacle)
     shards = window_shards(options, calib_tokens, holdout_tokens, batch_size, ranks)
     progress = progress and (ranks is None or ranks.is_main)
+    # before a checkpoint's finished blocks are restored: OWL's budgets are those of the dense model
+    per_block = block_options(model, blocks, blocks_name, calib_tokens, options, device, batch_size, progress)
     state = Path(checkpoint_dir) if checkpoint_dir is not None else None
     result, first_block, inputs = PruneResult(), 0, None
     if state is not None:
@@ -256,7 +320,7 @@ def prune_model(
     )
     for index in bar:
         layers, reports, inputs = _process_block(
-            blocks, blocks_name, index, inputs, options, device, result, progress, keep_dense, ranks, shards
+            blocks, blocks_name, index, inputs, per_block[index], device, result, progress, keep_dense, ranks, shards
         )
         result.layers.extend(reports)
         if state is not None:
@@ -339,7 +403,12 @@ def check_layers(model: nn.Module, options: PruneOptions) -> list[PrunableLayer]
     for pattern in options.include or []:
         if not any(fnmatchcase(layer.name, pattern) for layer in layers):
             logger.warning("include pattern %r matches no layer that is pruned", pattern)
-    budget = options.spec.budget
+    _check_fits(layers, options.spec.budget)
+    return layers
+
+
+def _check_fits(layers: list[PrunableLayer], budget: Budget) -> None:
+    """Raise ``ValueError`` naming the first of ``layers`` whose width does not fit ``budget``."""
     for layer in layers:
         try:
             check_budget(budget.sparsity, budget.nm, layer.d_in)
@@ -349,7 +418,44 @@ def check_layers(model: nn.Module, options: PruneOptions) -> list[PrunableLayer]
                 check_keeps_some(budget.sparsity, layer.d_out * layer.d_in, "the layer")
         except ValueError as err:
             raise ValueError(f"layer {layer.name}: {err}") from None
-    return layers
+
+
+def block_options(
+    model: nn.Module,
+    blocks: nn.ModuleList,
+    blocks_name: str,
+    calib_tokens: torch.Tensor,
+    options: PruneOptions,
+    device: torch.device | str,
+    batch_size: int,
+    progress: bool,
+) -> list[PruneOptions]:
+    """The options each of ``blocks`` is pruned with: ``options`` itself everywhere with the uniform profile; with
+    ``sparsity_profile="owl"``, ``options`` whose spec's budget has the block's OWL sparsity
+    (:func:`~sparseswaps_prune.llm.budgets.owl_block_sparsities`: one dense forward of ``calib_tokens`` through
+    ``model``, whose weights are not modified), after checking that every layer's width fits its block's budget.
+
+    Raises:
+        ValueError: ``owl_lambda`` puts a block's sparsity outside ``[0, 1)``, or a block's sparsity keeps no weight
+            of a row or layer (naming it); before anything is modified.
+    """
+    if options.sparsity_profile == "uniform":
+        return [options] * len(blocks)
+    sparsities = owl_block_sparsities(
+        model, blocks, blocks_name, calib_tokens, target=options.spec.budget.sparsity, m=options.owl_m,
+        lam=options.owl_lambda, include=options.include, exclude=options.exclude, device=device,
+        batch_size=batch_size, progress=progress,
+    )  # fmt: skip
+    per_block = []
+    for index, block in enumerate(blocks):
+        if index not in sparsities:  # no layer to prune
+            per_block.append(options)
+            continue
+        budget = dataclasses.replace(options.spec.budget, sparsity=sparsities[index])
+        layers = find_layers(block, prefix=f"{blocks_name}.{index}", include=options.include, exclude=options.exclude)
+        _check_fits(layers, budget)
+        per_block.append(dataclasses.replace(options, spec=dataclasses.replace(options.spec, budget=budget)))
+    return per_block
 
 
 def _process_block(
@@ -385,16 +491,6 @@ def _process_block(
     return layers, reports, inputs
 
 
-@dataclass
-class _Pruned:
-    """One layer's result as written into the model (CPU tensors); what the ranks broadcast."""
-
-    mask: torch.Tensor
-    start_mask: torch.Tensor
-    weight: torch.Tensor | None
-    report: LayerReport
-
-
 def _prune_block(
     block: nn.Module,
     layers: list[PrunableLayer],
@@ -410,7 +506,9 @@ def _prune_block(
 ) -> list[LayerReport]:
     """Accumulate the block's Grams (one per distinct input and token set; with several ``shards``, one partial per
     shard, summed in shard order across the ranks), then prune every layer (with ``ranks``: each rank prunes its
-    share of the layers, then every result is broadcast from its rank)."""
+    units of :func:`~sparseswaps_prune.llm.distributed.plan_work`, whole layers or, with ``options.row_shards`` and a
+    row-separable spec, row shards; then every unit is broadcast from its rank and each layer's shards are assembled in
+    row order, :meth:`~sparseswaps_prune.core.layer.LayerOutcome.cat`)."""
     if not layers:
         return []
     if shards is None:
@@ -433,7 +531,8 @@ def _prune_block(
         grams[key] = {layer.name: accumulators[group[0].name] for group in groups for layer in group}
     n_windows = shards["fit"].n_windows
 
-    def prune_one(layer: PrunableLayer) -> _Pruned:
+    def prune_rows(layer: PrunableLayer, start: int, stop: int) -> LayerOutcome:
+        """The outcome of rows ``start:stop`` of ``layer`` (all of them: the layer's), its tensors on the CPU."""
         fit, holdout = grams["fit"][layer.name], grams.get("holdout", {}).get(layer.name)
         if any(acc is not None and (acc.n_tokens == 0 or acc.gram is None) for acc in (fit, holdout)):
             raise ValueError(
@@ -441,7 +540,7 @@ def _prune_block(
                 "block uses it, or exclude it with --exclude"
             )
         outcome = prune_layer(
-            layer.dense_weight_2d().float(),
+            layer.dense_weight_2d().float()[start:stop],
             fit.gram,
             options.spec,
             holdout_gram=None if holdout is None else holdout.gram,
@@ -449,29 +548,38 @@ def _prune_block(
             name=layer.name,
             device=device,
         )
-        scale = None if holdout is None else fit.n_tokens / holdout.n_tokens
-        return _Pruned(
-            outcome.keep_mask.cpu(),
-            outcome.start_mask.cpu(),
-            None if outcome.weight is None else outcome.weight.cpu(),
-            LayerReport.from_outcome(layer.name, index, outcome, scale),
+        return dataclasses.replace(
+            outcome,
+            keep_mask=outcome.keep_mask.cpu(),
+            start_mask=outcome.start_mask.cpu(),
+            weight=None if outcome.weight is None else outcome.weight.cpu(),
         )
 
-    owners = None if ranks is None else assign_layers(layers, ranks.world_size)
-    # With ranks, each rank first prunes its own layers (in parallel with the others), then all receive them in order.
-    own = {} if ranks is None else {j: prune_one(layer) for j, layer in enumerate(layers) if owners[j] == ranks.rank}
+    # Without ranks one unit per layer; with ranks each rank first prunes its own units (whole layers or row shards,
+    # in parallel with the others), then all receive every unit in layer and row order and assemble the layers.
+    units = [(j, 0, layer.d_out, None) for j, layer in enumerate(layers)]
+    if ranks is not None:
+        split = [options.row_shards > 0 and options.spec.row_separable] * len(layers)
+        plan = plan_work(layers, ranks.world_size, split, min_rows=max(1, options.row_shards))
+        units = [(u.layer, u.start, u.stop, u.rank) for u in plan]
+    mine = -1 if ranks is None else ranks.rank
+    own = {i: prune_rows(layers[j], start, stop) for i, (j, start, stop, rank) in enumerate(units) if rank == mine}
     reports = []
     for j, layer in enumerate(tqdm(layers, desc=f"block {index}", leave=False, disable=not progress)):
-        if ranks is None:
-            pruned = prune_one(layer)
-        else:
-            pruned = ranks.broadcast(own.pop(j, None), src=owners[j])
-        if keep_dense and pruned.weight is not None:
+        parts = [
+            prune_rows(layer, start, stop) if rank is None else ranks.broadcast(own.pop(i, None), src=rank)
+            for i, (unit_layer, start, stop, rank) in enumerate(units)
+            if unit_layer == j
+        ]
+        outcome = LayerOutcome.cat(parts)
+        fit, holdout = grams["fit"][layer.name], grams.get("holdout", {}).get(layer.name)
+        if keep_dense and outcome.weight is not None:
             result.dense_weights[layer.name] = layer.dense_weight_2d().cpu().clone()
-        result.masks[layer.name] = pruned.mask
-        result.warmstart_masks[layer.name] = pruned.start_mask
-        apply_mask(layer, pruned.mask, pruned.weight)
-        reports.append(pruned.report)
+        result.masks[layer.name] = outcome.keep_mask
+        result.warmstart_masks[layer.name] = outcome.start_mask
+        apply_mask(layer, outcome.keep_mask, outcome.weight)
+        scale = None if holdout is None else fit.n_tokens / holdout.n_tokens
+        reports.append(LayerReport.from_outcome(layer.name, index, outcome, scale))
     return reports
 
 

@@ -690,8 +690,8 @@ def prune_checkpoint(
 
     Raises:
         FileNotFoundError: ``source`` has no safetensors checkpoint.
-        ValueError: bad options or layer widths (before anything is written), ``out_dir`` is ``source``, or the
-            checkpoint does not match its config.
+        ValueError: bad options or layer widths, or ``options.sparsity_profile="owl"`` (not supported here yet; all
+            before anything is written), ``out_dir`` is ``source``, or the checkpoint does not match its config.
         ~sparseswaps_prune.llm.checkpoint.CheckpointMismatch: ``checkpoint_dir`` holds the checkpoint of another
             run (another model, dtype, windows, options, number of ranks, ``max_shard_size`` or output plan; the
             message names it), or the ``.partial`` files it continues are missing or altered; raised before anything
@@ -703,6 +703,7 @@ def prune_checkpoint(
     start = time.perf_counter()
     probe = MemoryProbe()
     options.validate()
+    options.require_uniform("the block-wise streaming path (prune_checkpoint, --blockwise)")
     device = check_device(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)

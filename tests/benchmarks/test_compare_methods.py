@@ -11,11 +11,17 @@ import torch
 from sparseswaps_prune.core.spec import DEFAULT_SPEC, build_spec
 from sparseswaps_prune.llm.experiment import Experiment
 from sparseswaps_prune.llm.models import TINY_VOCAB_SIZE, tiny_model
+from sparseswaps_prune.llm.pipeline import PruneOptions
 
 
 @pytest.fixture(scope="module")
 def compare(benchmark_script):
     return benchmark_script("compare_methods")
+
+
+@pytest.fixture(scope="module")
+def common(benchmark_script):
+    return benchmark_script("common")
 
 
 def tiny_experiment(args, **config) -> Experiment:
@@ -36,7 +42,7 @@ def no_experiment(args) -> Experiment:
     raise AssertionError("finished rows must be read back without building the experiment")
 
 
-def test_settings_are_build_spec_options(compare):
+def test_settings_are_build_spec_options(compare, common):
     assert compare.parse_setting("start=admm,scope=layer,refine=none,weights=start,guard=false,max_iters=5") == {
         "start": "admm",
         "scope": "layer",
@@ -51,19 +57,19 @@ def test_settings_are_build_spec_options(compare):
         with pytest.raises(SystemExit):
             compare.parse_setting(bad)
     # on top of DEFAULT_SPEC at the pattern, T from --max-iters unless given; scope=layer dropped at N:M
-    assert compare.setting_spec({}, "60%", 25) == DEFAULT_SPEC
-    assert compare.setting_spec({}, "70%", 5) == build_spec(sparsity=0.7, max_iters=5)
+    assert common.setting_spec({}, "60%", 25) == DEFAULT_SPEC
+    assert common.setting_spec({}, "70%", 5) == build_spec(sparsity=0.7, max_iters=5)
     published = {"start": "admm", "scope": "layer", "refine": "none", "weights": "start"}
-    assert compare.setting_spec(published, "2:4", 25) == build_spec(nm=(2, 4), start="admm", refine="none",
+    assert common.setting_spec(published, "2:4", 25) == build_spec(nm=(2, 4), start="admm", refine="none",
                                                                     weights="start")  # fmt: skip
-    assert compare.setting_spec({"refine": "dsnot", "dsnot_skip": None}, "60%", 25).refine.skip is None
+    assert common.setting_spec({"refine": "dsnot", "dsnot_skip": None}, "60%", 25).refine.skip is None
     with pytest.raises(ValueError, match="dsnot_skip"):
-        compare.setting_spec({"dsnot_skip": None}, "60%", 25)
+        common.setting_spec({"dsnot_skip": None}, "60%", 25)
 
 
-def test_labels_name_every_stage(compare):
+def test_labels_name_every_stage(compare, common):
     def label(text, pattern="60%"):
-        return compare.label(compare.setting_spec(compare.parse_setting(text), pattern, 25))
+        return common.label(common.setting_spec(compare.parse_setting(text), pattern, 25))
 
     assert label("start=admm,scope=layer,refine=none,weights=start") == "admm/layer -> none -> start weights"
     assert label("start=admm,scope=layer,refine=none,weights=start", "2:4") == "admm -> none -> start weights"
@@ -78,6 +84,29 @@ def test_labels_name_every_stage(compare):
     )
     preset = [label(text) for text in compare.PRESETS["admm-alps"]]
     assert len(set(preset)) == len(preset)
+
+
+def test_owl_settings_are_pipeline_options(compare, common, tmp_path, capsys):
+    setting = compare.parse_setting("profile=owl,owl_lambda=0.05,refine=none,weights=keep")
+    assert setting == {"profile": "owl", "owl_lambda": 0.05, "refine": "none", "weights": "keep"}
+    options = common.setting_options(setting, "70%", 25)
+    spec = build_spec(sparsity=0.7, refine="none", weights="keep")
+    assert options == PruneOptions(spec=spec, sparsity_profile="owl", owl_lambda=0.05)
+    assert common.options_label(options) == "wanda -> none -> keep, owl M=5 lambda=0.05"
+    assert common.setting_options({}, "60%", 25) == PruneOptions()
+    with pytest.raises(ValueError, match="nm=\\(2, 4\\)"):
+        common.setting_options(setting, "2:4", 25)
+    with pytest.raises(ValueError, match="owl_lambda, profile set the pipeline's block budgets"):
+        common.setting_spec(setting, "60%", 25)  # layer_specs.py prunes single layers
+
+    args = ["--out", str(tmp_path), "--patterns", "60%", "--starts", "--refiners", "--cloze-items", "0"]
+    args += ["--extra", "refine=none,weights=keep", "profile=owl,refine=none,weights=keep"]
+    results = compare.main(args, make_experiment=tiny_experiment)
+    uniform, owl = results["60%"]
+    assert [uniform["label"], owl["label"]] == ["wanda -> none -> keep", "wanda -> none -> keep, owl M=5 lambda=0.08"]
+    assert owl["options"]["sparsity_profile"] == "owl" and owl["totals"] != uniform["totals"]
+    again = compare.main([*args, "--report-only"], make_experiment=no_experiment)
+    assert [r["totals"] for r in again["60%"]] == [uniform["totals"], owl["totals"]]
 
 
 def smaller_experiment(args) -> Experiment:

@@ -9,7 +9,7 @@ from sparseswaps_prune.core.admm import admm_prune, admm_update
 from sparseswaps_prune.core.alps import alps_prune, alps_update
 from sparseswaps_prune.core.dsnot import dsnot_refine
 from sparseswaps_prune.core.gram import GramAccumulator
-from sparseswaps_prune.core.layer import prune_layer
+from sparseswaps_prune.core.layer import LayerOutcome, prune_layer
 from sparseswaps_prune.core.losses import row_losses, weight_losses
 from sparseswaps_prune.core.refine import refine_mask
 from sparseswaps_prune.core.refit import refit_weights
@@ -198,3 +198,28 @@ def test_row_swaps_after_a_layer_wise_start(objective):
     layer_moves = dataclasses.replace(spec, refine=dataclasses.replace(spec.refine, scope=None))
     moved = prune_layer(weight, acc.gram, layer_moves)  # moves between rows: only the layer's total is kept
     assert moved.keep_mask.sum() == start.sum() and not torch.equal(moved.keep_mask.sum(1), start.sum(1))
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{}, {"nm": (2, 4), "guard": True, "damp": 0.0}, {"objective": "refit"}, {"refine": "dsnot", "weights": "cg"}],
+)
+def test_row_slices_of_a_separable_spec_assemble_to_the_layer(kwargs):
+    # LayerOutcome.cat of row shards (the distributed pipeline's row_shards), at widths where the BLAS rounds each
+    # row's products independently of the number of rows (see llm/distributed.py)
+    weight, acc, held = problem(d_out=40, tokens=40, seed=3)
+    spec = build_spec(**kwargs)
+    assert spec.row_separable
+    stats = {"feature_stats": acc.feature_stats(n_samples=4), "name": "model.layers.0.self_attn.q_proj"}
+    whole = prune_layer(weight, acc.gram, spec, holdout_gram=held, **stats)
+    parts = [prune_layer(weight[a:b], acc.gram, spec, holdout_gram=held, **stats) for a, b in ((0, 16), (16, 40))]
+    cat = LayerOutcome.cat(parts)
+    for field in ("keep_mask", "start_mask", "weight", "n_swaps", "row_updated"):
+        assert torch.equal(getattr(cat, field), getattr(whole, field)), field
+    for losses in ("loss", "holdout"):
+        for stage in ("start", "refined", "final"):
+            assert torch.equal(getattr(getattr(cat, losses), stage), getattr(getattr(whole, losses), stage))
+    assert cat.iters == whole.iters and cat.updated_rows == whole.updated_rows
+    assert cat.seconds_mask == sum(p.seconds_mask for p in parts) and LayerOutcome.cat([whole]) is whole
+    if "guard" in kwargs:
+        assert 0 < whole.updated_rows < 1 and whole.updated_rows == float(whole.row_updated.double().mean())

@@ -54,6 +54,8 @@ def test_cli_and_python_defaults_build_the_same_job():
     assert recipe.prune.spec == build_spec(RECIPES["alps"], sparsity=0.7)
     shards = job_config(build_parser().parse_args(["prune", "--out", "x", "--calib-shards", "4"]))
     assert shards == JobConfig(prune=PruneOptions(calib_shards=4))
+    rows = job_config(build_parser().parse_args(["prune", "--out", "x", "--distributed", "--row-shards", "256"]))
+    assert rows == JobConfig(prune=PruneOptions(row_shards=256), distributed=True)
 
 
 def test_cli_errors_are_one_line(tmp_path, capsys):
@@ -72,6 +74,8 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
     assert "calib_shards must be a positive int" in capsys.readouterr().err
     assert main(["prune", "--nsamples", "4", "--calib-shards", "2", "--out", str(tmp_path / "x")]) == 2
     assert "calib_shards=2" in capsys.readouterr().err  # 4 windows in batches of 4 make one batch
+    assert main(["prune", "--row-shards", "-1", "--out", str(tmp_path / "x")]) == 2
+    assert "row_shards must be an int >= 0" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
     with pytest.raises(SystemExit):
         main(["prune", "--nm", "2-4", "--out", str(tmp_path / "y")])

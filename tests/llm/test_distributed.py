@@ -1,10 +1,11 @@
 """Calibration windows split into shards (``PruneOptions.calib_shards``) and across gloo ranks (llm/distributed.py):
 one process with S shards equals W processes with the same S shards, bit for bit, and each rank holds only its
-windows."""
+windows. Layers divided by rows across ranks (``PruneOptions.row_shards``, ``plan_work``) equal one process too."""
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import os
 import subprocess
@@ -20,9 +21,10 @@ from transformers import AutoModelForCausalLM
 
 from sparseswaps_prune.core.gram import GramAccumulator
 from sparseswaps_prune.core.spec import build_spec
+from sparseswaps_prune.llm import pipeline
 from sparseswaps_prune.llm.capture import BlockInputs, capture_block_inputs
 from sparseswaps_prune.llm.checkpoint import CheckpointMismatch
-from sparseswaps_prune.llm.distributed import WindowShards, sum_shard_grams
+from sparseswaps_prune.llm.distributed import WindowShards, WorkUnit, assign_layers, plan_work, sum_shard_grams
 from sparseswaps_prune.llm.job import JobConfig
 from sparseswaps_prune.llm.layers import find_blocks
 from sparseswaps_prune.llm.models import tiny_model
@@ -300,3 +302,167 @@ def test_torchrun_job_equals_one_process(saved_tiny, tmp_path):
     assert not (tmp_path / "two" / ".sparseswaps_state").exists()
     bad = _cli([*args, "--distributed", "--out", str(tmp_path / "bad")], tmp_path)  # not under torchrun
     assert bad.returncode == 2 and "launched by torchrun" in bad.stderr and not (tmp_path / "bad").exists()
+
+
+# --- row shards of layers across ranks (PruneOptions.row_shards) ---
+
+
+def shapes(*dims: tuple[int, int]) -> list:
+    return [dataclasses.make_dataclass("Layer", ["d_out", "d_in"])(d_out, d_in) for d_out, d_in in dims]
+
+
+LLAMA_8B = shapes((4096, 4096), (1024, 4096), (1024, 4096), (4096, 4096), (14336, 4096), (14336, 4096), (4096, 14336))
+
+
+def loads(layers: list, units: list[WorkUnit], world_size: int) -> list[int]:
+    load = [0] * world_size
+    for u in units:
+        load[u.rank] += (u.stop - u.start) * layers[u.layer].d_in ** 2
+    return load
+
+
+@pytest.mark.parametrize("min_rows", [32, 256])
+@pytest.mark.parametrize("world_size", [1, 2, 3, 8, 16])
+def test_plan_work_balances_row_shards_and_covers_every_row_once(world_size, min_rows):
+    units = plan_work(LLAMA_8B, world_size, [True] * 7, min_rows=min_rows)
+    assert units == plan_work(LLAMA_8B, world_size, [True] * 7, min_rows=min_rows)  # deterministic: shapes alone
+    for j, layer in enumerate(LLAMA_8B):  # contiguous shards in row order, every row once
+        mine = [u for u in units if u.layer == j]
+        assert mine[0].start == 0 and mine[-1].stop == layer.d_out
+        assert all(a.stop == b.start for a, b in itertools.pairwise(mine))
+        assert all(u.stop - u.start >= min_rows for u in mine) and all(0 <= u.rank < world_size for u in mine)
+    load = loads(LLAMA_8B, units, world_size)
+    assert max(load) <= 1.01 * sum(load) / world_size  # whole layers: 4.5x the mean with 8 ranks
+    if world_size == 1:
+        assert [(u.start, u.stop) for u in units] == [(0, layer.d_out) for layer in LLAMA_8B]
+
+
+def test_plan_work_without_split_is_assign_layers():
+    whole = plan_work(LLAMA_8B, 8)
+    assert [(u.layer, u.start, u.stop) for u in whole] == [(j, 0, x.d_out) for j, x in enumerate(LLAMA_8B)]
+    assert [u.rank for u in whole] == assign_layers(LLAMA_8B, 8) == [3, 5, 6, 4, 1, 2, 0]  # largest first
+    assert max(loads(LLAMA_8B, whole, 8)) == 4096 * 14336**2  # down_proj alone
+    # Layers that may not be split stay whole and are placed first; the others fill around them.
+    mixed = plan_work(LLAMA_8B, 4, [True] * 6 + [False])
+    assert [u for u in mixed if u.layer == 6] == [WorkUnit(6, 0, 4096, 0)]
+    assert max(loads(LLAMA_8B, mixed, 4)) == 4096 * 14336**2  # the whole down_proj bounds the block; the rest fit
+    mixed = plan_work(LLAMA_8B, 8, [True] * 6 + [False])
+    assert max(loads(LLAMA_8B, mixed, 8)) == 4096 * 14336**2 and len(mixed) > 7
+    # Too few rows for two shards of min_rows: whole; enough: split in two.
+    assert plan_work(shapes((63, 64)), 2, [True], min_rows=32) == [WorkUnit(0, 0, 63, 0)]
+    assert plan_work(shapes((64, 64)), 2, [True], min_rows=32) == [WorkUnit(0, 0, 32, 0), WorkUnit(0, 32, 64, 1)]
+    assert plan_work(shapes((63, 64), (64, 64)), 2, [True, True]) == [WorkUnit(0, 0, 63, 0), WorkUnit(1, 0, 64, 1)]
+    with pytest.raises(ValueError, match="split has 1 flags for 2 layers"):
+        plan_work(shapes((8, 8), (8, 8)), 2, [True])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "separable", "why"),
+    [
+        ({}, True, None),
+        ({"nm": (2, 4), "guard": True}, True, None),
+        ({"start": "magnitude", "refine": "dsnot", "weights": "cg"}, True, None),
+        ({"objective": "refit"}, True, None),
+        ({"scope": "layer"}, False, "per-layer budget"),
+        ({"start": "ria"}, False, "column sums"),
+        ({"start": "sparsegpt"}, False, "sparsegpt start does not treat rows apart: its float32 OBS"),
+        ({"start": "admm", "scope": "row"}, False, "admm start does not"),
+        ({"weights": "obs"}, False, "obs weight update does not"),
+        ({"weights": "alps"}, False, "penalty schedule"),
+    ],
+)
+def test_row_separable_specs(kwargs, separable, why):
+    spec = build_spec(**kwargs)
+    assert spec.row_separable is separable
+    assert (spec.row_obstacle is None) if why is None else (why in spec.row_obstacle)
+
+
+def test_row_shards_option_is_checked():
+    for bad in (True, -1, 2.0):
+        with pytest.raises(ValueError, match=r"row_shards must be an int >= 0 \(0: whole layers; n: row shards"):
+            PruneOptions(row_shards=bad).validate()
+    assert PruneOptions.from_dict(PruneOptions(row_shards=256).to_dict()).row_shards == 256
+    assert PruneOptions().row_shards == 0  # off by default
+
+
+ROW_SPECS = {
+    "row": build_spec(max_iters=2),  # the default: 60% per row, Wanda, swaps, LS re-fit
+    "nm": build_spec(nm=(2, 4), max_iters=2, guard=True),  # N:M, with the held-out guard (updated_rows)
+    "layer": build_spec(scope="layer", max_iters=2),  # per-layer budget: not separable, whole layers
+}
+
+
+def _rows_worker(rank: int, world_size: int, tmp: str) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=world_size)
+    calls, prune_layer = [], pipeline.prune_layer
+
+    def spy(weight: torch.Tensor, *args, name: str, **kwargs):
+        calls.append((name, weight.shape[0]))
+        return prune_layer(weight, *args, name=name, **kwargs)
+
+    pipeline.prune_layer = spy
+    try:
+        out = {}
+        for key, spec in ROW_SPECS.items():
+            model = AutoModelForCausalLM.from_pretrained(f"{tmp}/src").eval()
+            calls.clear()
+            result = prune_model(model, calib(), PruneOptions(spec=spec, row_shards=32), progress=False,
+                                 batch_size=2, holdout_tokens=calib(N_HOLDOUT, seed=1), distributed=True)  # fmt: skip
+            finalize(model)
+            out[key] = {"state": model.state_dict(), "masks": result.masks, "warm": result.warmstart_masks,
+                        "layers": result.layers, "calls": list(calls)}  # fmt: skip
+        torch.save(out, f"{tmp}/rank{rank}.pt")
+    finally:
+        pipeline.prune_layer = prune_layer
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def row_shard_runs(tmp_path_factory):
+    """Each spec of ROW_SPECS pruned by one process and by 2 gloo ranks with row_shards=32 (one spawn)."""
+    tmp = tmp_path_factory.mktemp("rows")
+    tiny_model("llama", num_hidden_layers=2).save_pretrained(tmp / "src", max_shard_size=SHARD)
+    one = {}
+    for key, spec in ROW_SPECS.items():
+        model = AutoModelForCausalLM.from_pretrained(tmp / "src").eval()
+        result = prune_model(model, calib(), PruneOptions(spec=spec), progress=False, batch_size=2,
+                             holdout_tokens=calib(N_HOLDOUT, seed=1))  # fmt: skip
+        finalize(model)
+        one[key] = (model.state_dict(), result)
+    mp.spawn(_rows_worker, args=(2, str(tmp)), nprocs=2, join=True)
+    return one, [torch.load(tmp / f"rank{rank}.pt", weights_only=False) for rank in range(2)]
+
+
+def assert_same_as_one_process(one: tuple, out: dict) -> None:
+    state, result = one
+    assert out["state"].keys() == state.keys() and all(torch.equal(out["state"][k], v) for k, v in state.items())
+    assert all(torch.equal(out["masks"][k], v) for k, v in result.masks.items())
+    assert all(torch.equal(out["warm"][k], v) for k, v in result.warmstart_masks.items())
+    assert timeless(out["layers"]) == timeless(result.layers)  # every loss, held-out ones, swaps, updated_rows
+
+
+@pytest.mark.parametrize("key", ["row", "nm"])
+def test_row_shards_across_ranks_equal_one_process(row_shard_runs, key):
+    one, ranks = row_shard_runs
+    for out in ranks:
+        assert_same_as_one_process(one[key], out[key])
+    # up_proj and gate_proj (128 rows) were divided: rows 0:32 on one rank, 32:128 on the other (plan_work)
+    calls = [out[key]["calls"] for out in ranks]
+    assert ("model.layers.0.mlp.up_proj", 32) in calls[0] and ("model.layers.0.mlp.up_proj", 96) in calls[1]
+    assert any(rows < 128 for name, rows in calls[0] + calls[1] if "up_proj" in name or "gate_proj" in name)
+    assert len(calls[0]) + len(calls[1]) > 2 * 7  # more units than layers
+    if key == "nm":
+        assert any(r.updated_rows < 1 for r in one[key][1].layers)  # the guard rejected some rows
+
+
+def test_non_separable_spec_prunes_whole_layers_and_equals_one_process(row_shard_runs):
+    one, ranks = row_shard_runs
+    for out in ranks:
+        assert_same_as_one_process(one["layer"], out["layer"])
+    calls = ranks[0]["layer"]["calls"] + ranks[1]["layer"]["calls"]
+    assert len(calls) == 2 * 7 and all(rows in (32, 64, 128) for _, rows in calls)
+    names = {name: rows for name, rows in calls}
+    assert names["model.layers.0.mlp.up_proj"] == 128 and names["model.layers.0.self_attn.k_proj"] == 32
