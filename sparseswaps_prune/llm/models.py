@@ -115,7 +115,7 @@ def default_gguf_path() -> str:
     return path
 
 
-def _resolve_source(name_or_path: str | None, gguf_file: str | None) -> tuple[str, str | None]:
+def resolve_source(name_or_path: str | None, gguf_file: str | None) -> tuple[str, str | None]:
     """Map a user model reference to a ``from_pretrained`` source and an optional GGUF file name.
 
     Args:
@@ -230,7 +230,7 @@ def load_model(
     require("llm", "transformers")
     from transformers import AutoModelForCausalLM, GgufConfig
 
-    source, gguf = _resolve_source(name_or_path, gguf_file)
+    source, gguf = resolve_source(name_or_path, gguf_file)
     kwargs: dict[str, Any] = {"dtype": dtype}
     if gguf is not None:
         require("llm", "gguf")

@@ -9,13 +9,18 @@ read from the shards (only its own keys), pruned by the same per-block step as :
 .pipeline.prune_model` (``pipeline._process_block``), made permanent (exact zeros), written into the output shards
 at its planned offsets, and dropped; its masks are not kept.
 
+The source may also be a GGUF file (:class:`GGUFCheckpoint`, e.g. the packaged default model): each block's tensors
+are de-quantized and converted on their own by transformers' GGUF loading steps, to the tensors
+``from_pretrained(..., gguf_file=...)`` loads, bit for bit.
+
 The output is a normal sharded checkpoint (``model-0000i-of-0000n.safetensors`` and
-``model.safetensors.index.json``, or one ``model.safetensors``; ``config.json``, ``generation_config.json``, and the
-source directory's other files such as the tokenizer's) that ``from_pretrained`` loads. Its tensors, names and
-shard layout are those that ``prune_model`` + ``finalize`` + ``save_pretrained(max_shard_size=...)`` write for the
-same model, dtype, data and options, bit for bit. The shard layout is planned before the first block from the
-tensor shapes, so every tensor is written once, straight into its place; the shard files carry a ``.partial``
-suffix until the last tensor is written.
+``model.safetensors.index.json``, or one ``model.safetensors``; ``config.json`` with ``use_cache`` false as
+``load_model`` sets it, ``generation_config.json``, and the source directory's other files such as the tokenizer's,
+or a GGUF's tokenizer) that ``from_pretrained`` loads. Its tensors, names and shard layout are those that
+``load_model`` + ``prune_model`` + ``finalize`` + ``save_pretrained(max_shard_size=...)`` write for the same model,
+dtype, data and options, bit for bit, and so are the bytes of each shard (tensors laid out in safetensors' order).
+The shard layout is planned before the first block from the tensor shapes, so every tensor is written once, straight
+into its place; the shard files carry a ``.partial`` suffix until the last tensor is written.
 
 Peak host memory is about the captured inputs, the embeddings during the capture, and one block (dense, masked
 and its masks) plus the compute working set; it does not grow with the number of blocks. The returned report
@@ -33,13 +38,16 @@ truncating them (their headers and sizes must be the planned ones), skips the ca
 restores the finished blocks' reports and continues at block ``k + 1``: the output files and the reports are those of
 an uninterrupted call, byte for byte. The checkpoint's files are removed when the call succeeds.
 
-Limits: safetensors checkpoints only (not ``.bin`` or GGUF); checkpoint names must be the model's own parameter
-names (optionally without the base-model prefix), so models whose weights transformers renames or fuses on load
-(some mixture-of-experts models) are refused.
+Limits: safetensors checkpoints and local GGUF files only (not ``.bin``, not hub names); checkpoint names must be
+the model's own parameter names (optionally without the base-model prefix), so models whose weights transformers
+renames or fuses on load (some mixture-of-experts models) are refused; GGUF architectures that transformers loads
+through its newer weight-conversion path (transformers 5 ``integrations.gguf``: qwen35, qwen35moe, lfm2) are refused.
+Only the default model's architecture (LLaMA) is tested from a GGUF.
 """
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import logging
@@ -69,7 +77,16 @@ from sparseswaps_prune.llm.pipeline import LayerReport, PruneOptions, PruneResul
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["MemoryProbe", "SafetensorsCheckpoint", "ShardedWriter", "StreamResult", "prune_checkpoint"]
+__all__ = [
+    "CheckpointReader",
+    "GGUFCheckpoint",
+    "MemoryProbe",
+    "SafetensorsCheckpoint",
+    "ShardedWriter",
+    "StreamResult",
+    "open_checkpoint",
+    "prune_checkpoint",
+]
 
 SAFE_WEIGHTS_NAME = "model.safetensors"
 SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
@@ -139,43 +156,21 @@ def _read_header(path: Path) -> dict[str, Any]:
         return json.loads(f.read(size))
 
 
-class SafetensorsCheckpoint:
-    """The tensors of a local safetensors checkpoint (one ``model.safetensors`` or a sharded index), read a few
-    keys at a time: each read opens the files it needs and closes them again, so no memory map stays resident.
+class CheckpointReader:
+    """The tensors of a source checkpoint that :func:`prune_checkpoint` reads a few keys at a time: what
+    :class:`SafetensorsCheckpoint` and :class:`GGUFCheckpoint` share.
 
     Attributes:
-        directory: the checkpoint directory.
+        directory: the directory of the weight files.
         files: tensor name -> the file holding it.
-        shapes: tensor name -> ``(safetensors dtype code, shape)``.
+        shapes: tensor name -> ``(safetensors dtype code, shape)`` of the tensor :meth:`read` returns.
+        bytes_read: bytes of the tensors :meth:`read` returned so far.
     """
 
-    def __init__(self, directory: str | os.PathLike[str]) -> None:
-        self.directory = Path(directory)
-        index = self.directory / SAFE_WEIGHTS_INDEX_NAME
-        if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            self.files = {key: self.directory / name for key, name in weight_map.items()}
-        elif (self.directory / SAFE_WEIGHTS_NAME).is_file():
-            single = self.directory / SAFE_WEIGHTS_NAME
-            self.files = {key: single for key in _read_header(single) if key != "__metadata__"}
-        else:
-            present = sorted(p.name for p in self.directory.iterdir()) if self.directory.is_dir() else []
-            raise FileNotFoundError(
-                f"{self.directory} holds neither {SAFE_WEIGHTS_INDEX_NAME} nor {SAFE_WEIGHTS_NAME} (files: "
-                f"{present[:10]}); the block-wise path reads safetensors checkpoints only. Convert the model with "
-                "load_model(...) + save_pretrained, or prune it in memory with prune_model"
-            )
-        self.shapes: dict[str, tuple[str, list[int]]] = {}
-        for path in sorted(set(self.files.values())):
-            if not path.is_file():
-                raise FileNotFoundError(f"shard {path.name} named in {index.name} is missing from {self.directory}")
-            for key, info in _read_header(path).items():
-                if key != "__metadata__" and self.files.get(key) == path:
-                    self.shapes[key] = (info["dtype"], info["shape"])
-        missing = sorted(set(self.files) - set(self.shapes))
-        if missing:
-            raise ValueError(f"{index.name} names tensors that are not in their shard: {missing[:5]}")
-        self.bytes_read = 0
+    directory: Path
+    files: dict[str, Path]
+    shapes: dict[str, tuple[str, list[int]]]
+    bytes_read: int = 0
 
     def digest(self) -> str:
         """Hash (sha256, 16 hex digits) of the weight files: their names, sizes and bytes, read in 16 MiB chunks
@@ -191,6 +186,70 @@ class SafetensorsCheckpoint:
         return h.hexdigest()[:16]
 
     def read(self, keys: Iterable[str]) -> dict[str, torch.Tensor]:
+        """The tensors ``keys`` (CPU)."""
+        raise NotImplementedError
+
+    def load_config(self) -> Any:
+        """The model's config, as ``from_pretrained`` builds it."""
+        raise NotImplementedError
+
+    def generation_config(self, model: nn.Module) -> Any:
+        """The generation config ``from_pretrained`` gives ``model`` (here: the one made from its config)."""
+        return model.generation_config
+
+    def write_other_files(self, out_dir: Path) -> list[str]:
+        """Write the source's files other than weights and configs into ``out_dir``; returns their names."""
+        return []
+
+    def save_order(self, model: nn.Module, names: list[str]) -> list[str]:
+        """``names`` (the output's tensors, in ``model``'s state-dict order) in the order ``save_pretrained`` takes
+        them in (and splits them into shards by) for ``model`` loaded by ``from_pretrained`` from this source:
+        sorted by :func:`_natural_key` (transformers 5 sorts the state dict of a model whose loading recorded
+        weight conversions, even none)."""
+        return sorted(names, key=_natural_key)
+
+    def _count(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        self.bytes_read += sum(t.numel() * t.element_size() for t in tensors.values())
+        return tensors
+
+
+class SafetensorsCheckpoint(CheckpointReader):
+    """The tensors of a local safetensors checkpoint (one ``model.safetensors`` or a sharded index), read a few
+    keys at a time: each read opens the files it needs and closes them again, so no memory map stays resident.
+    :meth:`read` returns the tensors as stored (their stored dtype); :meth:`write_other_files` copies the
+    directory's non-weight files (tokenizer files, ...).
+    """
+
+    def __init__(self, directory: str | os.PathLike[str]) -> None:
+        self.directory = Path(directory)
+        index = self.directory / SAFE_WEIGHTS_INDEX_NAME
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            self.files = {key: self.directory / name for key, name in weight_map.items()}
+        elif (self.directory / SAFE_WEIGHTS_NAME).is_file():
+            single = self.directory / SAFE_WEIGHTS_NAME
+            self.files = {key: single for key in _read_header(single) if key != "__metadata__"}
+        else:
+            present = sorted(p.name for p in self.directory.iterdir()) if self.directory.is_dir() else []
+            raise FileNotFoundError(
+                f"{self.directory} holds neither {SAFE_WEIGHTS_INDEX_NAME} nor {SAFE_WEIGHTS_NAME} (files: "
+                f"{present[:10]}); the block-wise path reads safetensors checkpoints and GGUF files only (pass a "
+                "GGUF as gguf_file). Convert the model with load_model(...) + save_pretrained, or prune it in "
+                "memory with prune_model"
+            )
+        self.shapes = {}
+        for path in sorted(set(self.files.values())):
+            if not path.is_file():
+                raise FileNotFoundError(f"shard {path.name} named in {index.name} is missing from {self.directory}")
+            for key, info in _read_header(path).items():
+                if key != "__metadata__" and self.files.get(key) == path:
+                    self.shapes[key] = (info["dtype"], info["shape"])
+        missing = sorted(set(self.files) - set(self.shapes))
+        if missing:
+            raise ValueError(f"{index.name} names tensors that are not in their shard: {missing[:5]}")
+        self.bytes_read = 0
+
+    def read(self, keys: Iterable[str]) -> dict[str, torch.Tensor]:
         """The tensors ``keys`` as stored (CPU, the stored dtype)."""
         from safetensors import safe_open
 
@@ -202,8 +261,231 @@ class SafetensorsCheckpoint:
             with safe_open(str(path), framework="pt") as f:
                 for key in names:
                     out[key] = f.get_tensor(key)
-                    self.bytes_read += out[key].numel() * out[key].element_size()
-        return out
+        return self._count(out)
+
+    def load_config(self) -> Any:
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(self.directory, local_files_only=True)
+
+    def generation_config(self, model: nn.Module) -> Any:
+        from transformers import GenerationConfig
+
+        if (self.directory / "generation_config.json").is_file():
+            return GenerationConfig.from_pretrained(self.directory)
+        return model.generation_config
+
+    def write_other_files(self, out_dir: Path) -> list[str]:
+        files = []
+        for path in sorted(self.directory.iterdir()):
+            if path.is_file() and not _NOT_COPIED.fullmatch(path.name) and not path.name.startswith("."):
+                shutil.copy2(path, out_dir / path.name)
+                files.append(path.name)
+        return files
+
+
+class GGUFCheckpoint(CheckpointReader):
+    """The tensors of a GGUF file under the model's own names, de-quantized and converted exactly as
+    ``from_pretrained(directory, gguf_file=name)`` (:func:`~sparseswaps_prune.llm.models.load_model`) gives them,
+    read a few at a time.
+
+    The file's tensor table is read once with ``gguf.GGUFReader`` (whose memory map is then dropped); each
+    :meth:`read` reads only the bytes of the tensors it needs and runs transformers' own GGUF loading steps on them:
+    ``gguf.dequantize``, the architecture's ``TensorProcessor`` (e.g. LLaMA's reverse permutation of the q and k
+    rows) with the config ``load_gguf_checkpoint`` parses, and the GGUF -> model name map
+    ``get_gguf_hf_weights_map`` makes for the model of :meth:`load_config` (that of
+    ``transformers.modeling_gguf_pytorch_utils``, which ``from_pretrained`` runs for every GGUF architecture it does
+    not convert through its newer weight-conversion path; those are refused). Tensors come back in float32, as
+    ``gguf.dequantize`` gives them; :func:`prune_checkpoint` casts them to the model's dtype, as ``from_pretrained``
+    does. :meth:`write_other_files` saves the GGUF's tokenizer (pad token: its eos), as the job saves
+    ``load_model``'s, and :meth:`save_order` is the order ``save_pretrained`` writes a GGUF-loaded model in.
+
+    Raises:
+        FileNotFoundError: ``path`` is not a file.
+        ValueError: transformers converts this GGUF architecture through its weight-conversion path.
+        ImportError: ``gguf`` is missing, or transformers lacks its per-tensor GGUF helpers.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        require("llm", "transformers", "accelerate", "gguf")
+        import numpy as np
+        from gguf import GGUFReader
+
+        try:
+            from transformers.modeling_gguf_pytorch_utils import (
+                TENSOR_PROCESSORS,
+                TensorProcessor,
+                get_gguf_hf_weights_map,
+                load_gguf_checkpoint,
+                read_field,
+            )
+        except ImportError as err:
+            import transformers
+
+            raise ImportError(
+                f"reading a GGUF block by block needs transformers' per-tensor GGUF helpers "
+                f"(get_gguf_hf_weights_map, TENSOR_PROCESSORS), which transformers {transformers.__version__} "
+                "lacks; upgrade transformers"
+            ) from err
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise FileNotFoundError(f"GGUF file {self.path} does not exist")
+        self.directory = self.path.parent
+        reader = GGUFReader(self.path)
+        architecture = read_field(reader, "general.architecture")[0]
+        # name -> (ggml type, offset in the file, dtype and shape of the stored array as GGUFReader views it)
+        self._stored = {t.name: (t.tensor_type, t.data_offset, t.data.dtype, t.data.shape) for t in reader.tensors}
+        self._position = {name: index for index, name in enumerate(self._stored)}
+        elements = {t.name: tuple(reversed(t.shape.tolist())) for t in reader.tensors}
+        del reader  # its memory map of the whole file
+        if _gguf_converted(architecture):
+            raise ValueError(
+                f"{self.path.name}: transformers loads GGUF architecture {architecture!r} through its "
+                "weight-conversion path, which the block-wise reader does not reproduce; convert the model with "
+                "load_model(...) + save_pretrained, or prune it in memory with prune_model"
+            )
+        parsed = load_gguf_checkpoint(str(self.path), return_tensors=False)["config"]
+        self._processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=parsed)
+        self._config = self.load_config()
+        self._names = get_gguf_hf_weights_map(_skeleton(self._config, torch.float32), self._processor)
+        # Shapes and sources of the model's tensors: the conversion run on stand-ins of the stored shapes that hold
+        # no memory (zero strides).
+        self._sources: dict[str, list[str]] = {}
+        self.shapes = {}
+        for name, shape in elements.items():
+            with np.errstate(all="ignore"):
+                converted = self._convert([name], lambda _, s=shape: np.broadcast_to(np.float32(0), s), False)
+            for key, (dtype, out_shape) in converted.items():
+                self._sources.setdefault(key, []).append(name)
+                self.shapes[key] = (_DTYPE_NAMES[dtype], list(out_shape))
+        self.files = {key: self.path for key in self.shapes}
+        self.bytes_read = 0
+
+    def _convert(self, names: list[str], load: Any, materialize: bool = True) -> dict[str, Any]:
+        """The tensors the GGUF tensors ``names`` (in file order) make: transformers' loop of
+        ``load_gguf_checkpoint(..., return_tensors=True)`` over these only, with ``load(name)`` the de-quantized
+        array; with ``materialize`` False, ``(torch dtype, shape)`` of each instead."""
+        import numpy as np
+
+        parsed: dict[str, dict[str, Any]] = {"tensors": {}}
+        for name in names:
+            result = self._processor.process(
+                weights=load(name), name=name, tensor_key_mapping=self._names, parsed_parameters=parsed
+            )
+            if result.name in self._names:
+                key = self._names[result.name]
+                weights = result.weights
+                if materialize:  # transformers copies every array; ours are private to this read, so only where needed
+                    owned = weights.flags.writeable and weights.flags.c_contiguous
+                    weights = torch.from_numpy(weights if owned else np.copy(weights))
+                parsed["tensors"][key] = weights
+        return {
+            key: value if materialize else (_torch_dtype(value), tuple(value.shape))
+            for key, value in parsed["tensors"].items()
+        }
+
+    def read(self, keys: Iterable[str]) -> dict[str, torch.Tensor]:
+        """The tensors ``keys`` (CPU, float32), each equal to the one ``from_pretrained`` loads before it casts it
+        to the model's dtype."""
+        import numpy as np
+        from gguf import dequantize
+
+        keys = list(keys)
+        names = sorted({name for key in keys for name in self._sources[key]}, key=self._position.__getitem__)
+        with open(self.path, "rb", buffering=0) as f:
+
+            def load(name: str) -> Any:
+                kind, offset, dtype, shape = self._stored[name]
+                data = np.empty(shape, dtype=dtype)
+                view, done = memoryview(data.reshape(-1).view(np.uint8)), 0
+                f.seek(offset)
+                while done < len(view):
+                    n = f.readinto(view[done:])
+                    if not n:
+                        raise EOFError(f"{self.path} ends inside tensor {name}")
+                    done += n
+                return dequantize(data, kind)
+
+            tensors = self._convert(names, load)
+        return self._count({key: tensors[key] for key in keys})
+
+    def load_config(self) -> Any:
+        """``AutoConfig.from_pretrained(directory, gguf_file=name)``: a copy of the one made when the file was
+        opened."""
+        from transformers import AutoConfig
+
+        if getattr(self, "_config", None) is None:
+            return AutoConfig.from_pretrained(self.directory, gguf_file=self.path.name, local_files_only=True)
+        return copy.deepcopy(self._config)
+
+    def save_order(self, model: nn.Module, names: list[str]) -> list[str]:
+        """The order of transformers' ``revert_weight_conversion``, which ``save_pretrained`` runs on the state dict
+        (here on ``meta`` stand-ins): a GGUF-loaded model records no weight conversions, so the class's default
+        ones apply, and with none the state-dict order is kept.
+
+        Raises:
+            ValueError: ``save_pretrained`` would write the tensors under other names."""
+        from transformers.core_model_loading import revert_weight_conversion
+
+        state = model.state_dict(keep_vars=True)
+        order = list(revert_weight_conversion(model, {name: state[name] for name in names}))
+        if sorted(order) != sorted(names):
+            raise ValueError(
+                f"save_pretrained writes {type(model).__name__}'s weights under other names (e.g. "
+                f"{sorted(set(order) - set(names))[:3]}); prune this model in memory with prune_model"
+            )
+        return order
+
+    def write_other_files(self, out_dir: Path) -> list[str]:
+        """The GGUF's tokenizer as ``load_model`` makes it, saved with ``save_pretrained``."""
+        from sparseswaps_prune.llm.models import load_tokenizer
+
+        saved = load_tokenizer(str(self.directory), self.path.name).save_pretrained(out_dir)
+        return sorted({Path(name).name for name in saved if Path(name).is_file()})
+
+
+def _gguf_converted(architecture: str) -> bool:
+    """Whether ``from_pretrained`` loads this GGUF architecture through transformers' weight-conversion path
+    (transformers 5: ``integrations.gguf``) rather than ``load_gguf_checkpoint``'s per-tensor loop."""
+    try:
+        from transformers.integrations.gguf.utils import is_gguf_arch_supported
+    except ImportError:
+        return False
+    return bool(is_gguf_arch_supported(architecture))
+
+
+def _torch_dtype(value: Any) -> torch.dtype:
+    """The torch dtype of a tensor or a numpy array."""
+    if isinstance(value, torch.Tensor):
+        return value.dtype
+    import numpy as np
+
+    return torch.from_numpy(np.empty(0, dtype=value.dtype)).dtype
+
+
+def open_checkpoint(
+    source: str | os.PathLike[str] | None, gguf_file: str | None = None
+) -> SafetensorsCheckpoint | GGUFCheckpoint:
+    """The reader of a local checkpoint, named as :func:`~sparseswaps_prune.llm.models.load_model` names it: a
+    safetensors directory; a directory and ``gguf_file``, a ``.gguf`` path, or None (or ``"smollm2-135m"``) for the
+    packaged default GGUF.
+
+    Raises:
+        FileNotFoundError: a missing file or directory, or a hub name (not read block by block).
+        ValueError: contradictory arguments (e.g. ``gguf_file`` with a ``.gguf`` path or the default model).
+    """
+    from sparseswaps_prune.llm.models import DEFAULT_MODEL, resolve_source
+
+    name = None if source is None else os.fspath(source)
+    if name is not None and gguf_file is None and name != DEFAULT_MODEL and not name.endswith(".gguf"):
+        return SafetensorsCheckpoint(name)
+    directory, gguf = resolve_source(name, gguf_file)
+    if gguf is None or not os.path.isdir(directory):
+        raise FileNotFoundError(
+            f"source={name!r}, gguf_file={gguf_file!r} is not a local GGUF file; the block-wise path reads local "
+            "files only (download the GGUF first)"
+        )
+    return GGUFCheckpoint(Path(directory) / gguf)
 
 
 @dataclass
@@ -216,14 +498,27 @@ class _Slot:
     offset: int = 0
 
 
+def _file_order(slots: list[_Slot]) -> list[_Slot]:
+    """``slots`` in the order safetensors' ``save_file`` lays them out in one file and lists them in its header
+    (by dtype, then name), asked of safetensors itself with empty stand-ins."""
+    from safetensors.torch import save
+
+    raw = save({slot.key: torch.empty(0, dtype=slot.dtype) for slot in slots})
+    (size,) = struct.unpack("<Q", raw[:8])
+    by_key = {slot.key: slot for slot in slots}
+    return [by_key[key] for key in json.loads(raw[8 : 8 + size]) if key != "__metadata__"]
+
+
 class ShardedWriter:
     """A safetensors checkpoint whose tensors arrive one at a time, in any order.
 
     The shards are planned up front from ``(name, dtype, shape)`` with ``save_pretrained``'s rule (tensors in the
     given order; a shard is closed when the next tensor would take it over ``max_shard_size``; a tensor larger than
-    that gets a shard of its own), each file is created with its final header, and :meth:`write` puts each tensor's
-    bytes at its offset. :meth:`close` checks that every tensor was written, renames the ``.partial`` files to
-    their final names and writes the index (several shards) or leaves one ``model.safetensors``.
+    that gets a shard of its own); within a shard the tensors are laid out and listed in the order safetensors'
+    ``save_file`` uses (by dtype, then name: a shard's bytes are those ``save_pretrained`` writes). Each file is
+    created with its final header, and :meth:`write` puts each tensor's bytes at its offset. :meth:`close` checks
+    that every tensor was written, renames the ``.partial`` files to their final names and writes the index
+    (several shards) or leaves one ``model.safetensors``.
 
     With ``written`` the files of an interrupted write with the same plan are reopened as they are (nothing is
     truncated or rewritten) and ``written`` names the tensors already in them (made durable by :meth:`sync`); a
@@ -266,7 +561,7 @@ class ShardedWriter:
             size += slot.nbytes
         if current:
             shards.append(current)
-        shards = [shard for shard in shards if shard]
+        shards = [_file_order(shard) for shard in shards if shard]
         n = len(shards)
         self.names = [SAFE_WEIGHTS_NAME] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
         self.slots: dict[str, _Slot] = {}
@@ -534,7 +829,7 @@ def _skeleton(config: Any, dtype: torch.dtype) -> nn.Module:
     return model
 
 
-def _key_map(model: nn.Module, source: SafetensorsCheckpoint) -> dict[str, str]:
+def _key_map(model: nn.Module, source: CheckpointReader) -> dict[str, str]:
     """Model state-dict name -> checkpoint name, for every tensor the output holds (the checkpoint's tensors, in the
     model's state-dict order; a tied copy the checkpoint leaves out is left out too).
 
@@ -572,7 +867,7 @@ def _key_map(model: nn.Module, source: SafetensorsCheckpoint) -> dict[str, str]:
     return mapping
 
 
-def _load(model: nn.Module, source: SafetensorsCheckpoint, mapping: dict[str, str], names: list[str]) -> None:
+def _load(model: nn.Module, source: CheckpointReader, mapping: dict[str, str], names: list[str]) -> None:
     """Read ``names`` from the checkpoint into the model, cast to the model's dtype where both are floating
     point (as ``from_pretrained`` does)."""
     state = model.state_dict(keep_vars=True)
@@ -584,34 +879,24 @@ def _load(model: nn.Module, source: SafetensorsCheckpoint, mapping: dict[str, st
         _set_tensor(model, name, value)
 
 
-def _write_configs(model: nn.Module, source_dir: Path, out_dir: Path, dtype: torch.dtype) -> list[str]:
-    """``config.json`` and ``generation_config.json`` as ``save_pretrained`` writes them, and a copy of every
-    other non-weight file of ``source_dir`` (tokenizer files, ...)."""
+def _write_configs(model: nn.Module, reader: CheckpointReader, out_dir: Path, dtype: torch.dtype) -> list[str]:
+    """``config.json`` and ``generation_config.json`` as ``save_pretrained`` writes them, and the source's other
+    files (:meth:`CheckpointReader.write_other_files`: a copy of every other non-weight file of a safetensors
+    directory, such as the tokenizer's; a GGUF's tokenizer)."""
     config = model.config
     config.dtype = str(dtype).split(".")[1]
     config.architectures = [type(model).__name__]
     config.save_pretrained(out_dir)
     files = ["config.json"]
     if model.can_generate():
-        from transformers import GenerationConfig
-
-        generation = (
-            GenerationConfig.from_pretrained(source_dir)
-            if (source_dir / "generation_config.json").is_file()
-            else model.generation_config
-        )
-        generation.save_pretrained(out_dir)
+        reader.generation_config(model).save_pretrained(out_dir)
         files.append("generation_config.json")
-    for path in sorted(source_dir.iterdir()):
-        if path.is_file() and not _NOT_COPIED.fullmatch(path.name) and not path.name.startswith("."):
-            shutil.copy2(path, out_dir / path.name)
-            files.append(path.name)
-    return files
+    return files + reader.write_other_files(out_dir)
 
 
 def _fingerprint(
     model: nn.Module,
-    reader: SafetensorsCheckpoint,
+    reader: CheckpointReader,
     dtype: torch.dtype,
     options: PruneOptions,
     calib_tokens: torch.Tensor,
@@ -639,11 +924,12 @@ def _fingerprint(
 
 
 def prune_checkpoint(
-    source: str | os.PathLike[str],
+    source: str | os.PathLike[str] | None,
     out_dir: str | os.PathLike[str],
     calib_tokens: torch.Tensor,
     options: PruneOptions,
     *,
+    gguf_file: str | None = None,
     dtype: torch.dtype | None = None,
     device: torch.device | str = "cpu",
     batch_size: int = 1,
@@ -655,17 +941,24 @@ def prune_checkpoint(
 ) -> StreamResult:
     """Prune the causal LM saved in ``source`` block by block, reading and writing one decoder block at a time.
 
-    Equivalent to ``load_model(source, dtype=dtype)``, :func:`~sparseswaps_prune.llm.pipeline.prune_model` (same
+    Equivalent to ``load_model(source, gguf_file=gguf_file, dtype=dtype)``,
+    :func:`~sparseswaps_prune.llm.pipeline.prune_model` (same
     ``options``, ``device``, ``batch_size``, ``holdout_tokens``), ``finalize`` and ``save_pretrained(out_dir,
     max_shard_size=max_shard_size)``: the saved tensors are identical bit for bit. See the module docstring for
     what is held in memory and how a run resumes.
 
     Args:
-        source: a local directory with ``config.json`` and safetensors weights (sharded with an index, or one file).
-        out_dir: where the pruned checkpoint is written (created if missing; must not be ``source``). Weight files of
-            an earlier save there are replaced.
+        source: a local directory with ``config.json`` and safetensors weights (sharded with an index, or one file);
+            or a GGUF, named as ``load_model`` names it: a directory with ``gguf_file``, a path to a ``.gguf`` file,
+            or None (or ``"smollm2-135m"``) for the packaged default model (:class:`GGUFCheckpoint`: its tensors are
+            de-quantized one block at a time as ``from_pretrained(..., gguf_file=...)`` de-quantizes them; the
+            output's ``config.json`` has ``use_cache: false`` as ``load_model`` sets it, and the GGUF's tokenizer is
+            saved with it, as the job saves it).
+        out_dir: where the pruned checkpoint is written (created if missing; must not be the source's directory).
+            Weight files of an earlier save there are replaced.
         calib_tokens: ``[n, seqlen]`` int64 calibration windows.
         options: :class:`~sparseswaps_prune.llm.pipeline.PruneOptions`.
+        gguf_file: the GGUF file's name inside the directory ``source``.
         dtype: the weights' dtype in memory and in the output (floating tensors are cast as ``from_pretrained``
             casts them); None keeps the config's ``dtype`` (float32 if it names none).
         device: compute device for each block and its pruning.
@@ -689,17 +982,18 @@ def prune_checkpoint(
         memory/time report.
 
     Raises:
-        FileNotFoundError: ``source`` has no safetensors checkpoint.
+        FileNotFoundError: ``source`` has no safetensors checkpoint, the GGUF file does not exist, or ``source`` is
+            a hub name.
         ValueError: bad options or layer widths, or ``options.sparsity_profile="owl"`` (not supported here yet; all
-            before anything is written), ``out_dir`` is ``source``, or the checkpoint does not match its config.
+            before anything is written), ``out_dir`` is the source's directory, the checkpoint does not match its
+            config, ``gguf_file`` contradicts ``source``, or transformers converts the GGUF's architecture through
+            its weight-conversion path (see :class:`GGUFCheckpoint`).
         ~sparseswaps_prune.llm.checkpoint.CheckpointMismatch: ``checkpoint_dir`` holds the checkpoint of another
             run (another model, dtype, windows, options, number of ranks, ``max_shard_size`` or output plan; the
             message names it), or the ``.partial`` files it continues are missing or altered; raised before anything
             is written.
     """
     require("llm", "transformers", "accelerate", "safetensors")
-    from transformers import AutoConfig
-
     start = time.perf_counter()
     probe = MemoryProbe()
     options.validate()
@@ -710,13 +1004,14 @@ def prune_checkpoint(
     ranks = Ranks.current() if distributed else Ranks(0, 1)
     checkpoint_ranks = ranks if distributed else None  # as prune_model: one process records no rank
     progress = progress and ranks.is_main
-    source_dir, out = Path(source), Path(out_dir)
-    if out.exists() and source_dir.exists() and out.resolve() == source_dir.resolve():
+    reader = open_checkpoint(source, gguf_file)
+    source_dir, out = reader.directory, Path(out_dir)
+    if out.exists() and out.resolve() == source_dir.resolve():
         raise ValueError(f"out_dir is the source directory {source_dir}; write the pruned model elsewhere")
-    reader = SafetensorsCheckpoint(source_dir)
-    config = AutoConfig.from_pretrained(source_dir, local_files_only=True)
+    config = reader.load_config()
     dtype = _resolve_dtype(config, dtype)
     model = _skeleton(config, dtype)
+    model.config.use_cache = False  # as load_model sets it (after the generation config was made)
     total_parameters = model.num_parameters()  # now, while tied weights are still one parameter
     check_layers(model, options)
     shards = pipeline.window_shards(options, calib_tokens, holdout_tokens, batch_size, ranks)
@@ -734,8 +1029,8 @@ def prune_checkpoint(
         head_name = next(name for name, module in model.named_modules() if module is head_module)
         head = {f"{head_name}.{leaf}" for leaf in head_module._parameters} & set(outside)
     for_capture = [name for name in outside if name not in head]
-    # In the order save_pretrained uses for a model loaded by from_pretrained (transformers 5 sorts the names).
-    planned = [(name, state[name].dtype, tuple(state[name].shape)) for name in sorted(mapping, key=_natural_key)]
+    # In the order save_pretrained uses for the model from_pretrained loads from this source.
+    planned = [(name, state[name].dtype, tuple(state[name].shape)) for name in reader.save_order(model, list(mapping))]
 
     resumed, state_dir = None, None
     if checkpoint_dir is not None:
@@ -825,7 +1120,7 @@ def prune_checkpoint(
         if writer is not None:
             files = writer.close(total_parameters=total_parameters)
             writer_bytes = writer.bytes_written
-            files += _write_configs(model, source_dir, out, dtype)
+            files += _write_configs(model, reader, out, dtype)
         ranks.barrier()
     except BaseException:
         if writer is not None and state_dir is not None:

@@ -15,8 +15,9 @@ from safetensors.torch import load_file
 
 from sparseswaps_prune.cli import main
 from sparseswaps_prune.core.spec import build_spec
-from sparseswaps_prune.llm import pipeline
+from sparseswaps_prune.llm import pipeline, streaming
 from sparseswaps_prune.llm.job import STAGING_DIR, STATE_DIR, JobConfig, run_job
+from sparseswaps_prune.llm.models import default_gguf_path
 
 ARGS = ["--nsamples", "2", "--seqlen", "16", "--holdout", "1", "--max-iters", "2", "--quiet"]
 
@@ -42,9 +43,9 @@ def test_blockwise_job_saves_the_in_memory_model(saved_tiny, tmp_path, capsys):
 @pytest.mark.parametrize(
     ("changes", "says"),
     [
-        ({"model": None}, "local directory of safetensors"),
+        ({"model": "HuggingFaceTB/SmolLM2-135M"}, "hub names are not read block by block"),
         ({"eval": "builtin"}, "eval=None (--eval none)"),
-        ({"gguf_file": "x.gguf"}, "GGUF files"),
+        ({"gguf_file": "x.gguf"}, "GGUF file 'x.gguf' not found"),
         ({"blockwise": 1}, "blockwise must be a bool"),
     ],
 )
@@ -52,7 +53,7 @@ def test_blockwise_refusals_write_nothing(saved_tiny, tmp_path, changes, says):
     config = JobConfig(model=str(saved_tiny), eval=None, blockwise=True, nsamples=2, seqlen=16)
     for key, value in changes.items():
         setattr(config, key, value)
-    with pytest.raises((ValueError, TypeError), match=says.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises((ValueError, TypeError, FileNotFoundError), match=says.replace("(", r"\(").replace(")", r"\)")):
         run_job(config, tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
@@ -60,8 +61,28 @@ def test_blockwise_refusals_write_nothing(saved_tiny, tmp_path, changes, says):
 def test_blockwise_with_distributed_is_accepted(saved_tiny):
     """The combination was refused before (issue 19); now only the block-wise checks apply to it."""
     JobConfig(model=str(saved_tiny), eval=None, blockwise=True, distributed=True, nsamples=2, seqlen=16).validate()
-    with pytest.raises(ValueError, match="local directory of safetensors"):
-        JobConfig(eval=None, blockwise=True, distributed=True).validate()
+    JobConfig(eval=None, blockwise=True, distributed=True).validate()  # the packaged GGUF
+    with pytest.raises(ValueError, match="local directory of safetensors weights or a local GGUF file"):
+        JobConfig(model="HuggingFaceTB/SmolLM2-135M", eval=None, blockwise=True, distributed=True).validate()
+
+
+def test_blockwise_job_reads_a_gguf(tmp_path, monkeypatch):
+    """The packaged GGUF (``model=None``) and a ``.gguf`` path reach ``prune_checkpoint`` as its directory and
+    ``gguf_file`` (what it writes from a GGUF is tested in test_streaming.py)."""
+    calls = []
+
+    def stop(source, out_dir, calib, options, **kwargs):
+        calls.append((source, kwargs["gguf_file"], tuple(calib.shape)))
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(streaming, "prune_checkpoint", stop)
+    path = default_gguf_path()
+    JobConfig(model=path, eval=None, blockwise=True).validate()
+    with pytest.raises(KeyboardInterrupt):
+        run_job(
+            JobConfig(eval=None, blockwise=True, nsamples=2, seqlen=16, holdout=0), tmp_path / "out", progress=False
+        )
+    assert calls == [(os.path.dirname(path), os.path.basename(path), (2, 16))]
 
 
 def test_interrupted_blockwise_job_resumes_bit_for_bit(saved_tiny, tmp_path, monkeypatch):

@@ -434,3 +434,100 @@ def _interrupt_and_resume(rank: int, tmp: Path) -> None:
         calls = count_blocks(patch)
         result = stream(source, out, state, distributed=True)
     torch.save({"recorded": recorded, "calls": calls, "layers": result.layers}, tmp / f"r{rank}.pt")
+
+
+# ---------------------------------------------------------------- GGUF: the packaged default model, block by block
+
+# One layer in each of blocks 0 and 1 (the stream still reads, forwards and writes all 30 blocks).
+GGUF_OPTIONS = PruneOptions(
+    spec=build_spec(max_iters=1, weights="keep"),
+    include=["model.layers.0.self_attn.q_proj", "model.layers.1.self_attn.o_proj"],
+)
+
+
+@pytest.fixture(scope="module")
+def gguf_case(tmp_path_factory):
+    """The packaged SmolLM2 GGUF (30 blocks; one layer of blocks 0 and 1 pruned) in memory (``load_model`` +
+    ``prune_model`` + ``finalize`` + ``save_pretrained``, and the tokenizer) and block by block from the GGUF (the
+    same run records which blocks and whether the embeddings held weights when each block was pruned, and keeps its
+    reader); one run each."""
+    from sparseswaps_prune.llm.models import load_model
+
+    root = tmp_path_factory.mktemp("gguf")
+    model, tokenizer = load_model()
+    loaded = {key: value.clone() for key, value in model.state_dict().items()}
+    result = prune_model(model, calib(), GGUF_OPTIONS, progress=False)
+    finalize(model)
+    model.save_pretrained(root / "mem")
+    tokenizer.save_pretrained(root / "mem")
+    del model
+    seen, readers, skeletons = [], [], []
+    original_step, original_open, original_skeleton = (
+        pipeline._process_block,
+        streaming.open_checkpoint,
+        streaming._skeleton,
+    )
+
+    def step(blocks, blocks_name, index, *args, **kwargs):
+        held = [k for k, block in enumerate(blocks) if any(p.device.type != "meta" for p in block.parameters())]
+        seen.append((index, held, skeletons[-1].model.embed_tokens.weight.device.type))
+        return original_step(blocks, blocks_name, index, *args, **kwargs)
+
+    def open_checkpoint(*args, **kwargs):
+        readers.append(original_open(*args, **kwargs))
+        return readers[-1]
+
+    def skeleton(*args, **kwargs):
+        skeletons.append(original_skeleton(*args, **kwargs))
+        return skeletons[-1]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(pipeline, "_process_block", step)
+        patch.setattr(streaming, "open_checkpoint", open_checkpoint)
+        patch.setattr(streaming, "_skeleton", skeleton)
+        streamed = prune_checkpoint(None, root / "stream", calib(), GGUF_OPTIONS, progress=False)
+    return {"root": root, "loaded": loaded, "result": result, "streamed": streamed, "seen": seen, "reader": readers[0]}
+
+
+def test_gguf_reader_equals_from_pretrained(gguf_case):
+    """Every tensor the reader gives (de-quantized, q/k rows un-permuted) is the one ``load_model`` loads."""
+    reader, loaded = gguf_case["reader"], gguf_case["loaded"]
+    assert isinstance(reader, streaming.GGUFCheckpoint)
+    assert sorted(reader.shapes) == sorted(set(loaded) - {"lm_head.weight"})  # tied to the embeddings
+    before = reader.bytes_read
+    got = reader.read(reversed(list(reader.shapes)))
+    assert reader.bytes_read - before == sum(t.numel() * t.element_size() for t in got.values())
+    for key, value in got.items():
+        assert value.dtype == loaded[key].dtype and torch.equal(value, loaded[key]), key
+        assert reader.shapes[key] == ("F32", list(value.shape))
+    single = reader.read(["model.layers.7.self_attn.k_proj.weight"])  # one tensor alone: the same
+    assert torch.equal(
+        single["model.layers.7.self_attn.k_proj.weight"], loaded["model.layers.7.self_attn.k_proj.weight"]
+    )
+
+
+def test_gguf_streaming_equals_in_memory_bit_for_bit(gguf_case):
+    root, streamed = gguf_case["root"], gguf_case["streamed"]
+    assert_same_checkpoint(root / "mem", root / "stream")  # tensors, shard layout and config.json (use_cache false)
+    assert files_of(root / "stream") == files_of(root / "mem")  # byte for byte, tokenizer files included
+    assert sorted(streamed.files) == sorted(os.listdir(root / "stream"))
+    assert timeless(streamed.layers) == timeless(gguf_case["result"].layers)
+    assert [r.name for r in streamed.layers] == ["model.layers.0.self_attn.q_proj", "model.layers.1.self_attn.o_proj"]
+    # One block holds weights at a time; the embeddings and the other blocks are on meta while it is pruned.
+    assert gguf_case["seen"] == [(index, [index], "meta") for index in range(30)]
+    assert streamed.report["embedding_bytes"] == 49152 * 576 * 4 + 576 * 4
+
+
+def test_gguf_sources_named_as_load_model_names_them(tmp_path):
+    from sparseswaps_prune.llm.models import default_gguf_path
+
+    path = Path(default_gguf_path())
+    with pytest.raises(ValueError, match="already names its GGUF file"):
+        streaming.open_checkpoint(None, gguf_file=path.name)
+    with pytest.raises(FileNotFoundError, match="not found in directory"):
+        streaming.open_checkpoint(tmp_path, gguf_file="missing.gguf")
+    with pytest.raises(FileNotFoundError, match="local files only"):
+        streaming.open_checkpoint("HuggingFaceTB/SmolLM2-135M-GGUF", gguf_file=path.name)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        prune_checkpoint(tmp_path / "x.gguf", tmp_path / "out", calib(), GGUF_OPTIONS, progress=False)
+    assert not (tmp_path / "out").exists()
