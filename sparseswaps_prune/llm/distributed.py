@@ -3,7 +3,7 @@ calibration windows.
 
 **Layers.** Every rank runs the same block-wise pipeline on the same model: each prunes only its units of the block's
 work plan (:func:`plan_work`; by default whole layers, largest estimated cost ``d_out * d_in^2`` first to the least
-loaded rank, :func:`assign_layers`), and then receives the others' results by broadcast, in layer order, so that every
+loaded rank), and then receives the others' results by broadcast, in layer order, so that every
 rank holds identical weights after each block. The per-layer results do not depend on one another within a block
 (every Gram is accumulated on the dense block before any layer is masked).
 
@@ -67,7 +67,6 @@ __all__ = [
     "Ranks",
     "WindowShards",
     "WorkUnit",
-    "assign_layers",
     "init_from_env",
     "plan_work",
     "sum_shard_grams",
@@ -127,7 +126,7 @@ def plan_work(
 
     The estimated cost of a row is ``d_in^2`` (a layer's swap search, re-fit and losses scale with ``d_out *
     d_in^2``). Whole layers go first, largest first, each to the least loaded rank (ties to the lowest rank); without
-    ``split`` that is the whole plan (:func:`assign_layers`). Then the splittable layers, in layer order, fill the
+    ``split`` that is the whole plan. Then the splittable layers, in layer order, fill the
     ranks in rank order up to the water level ``T``, the least load that leaves room for all of them above the whole
     layers' loads (``ceil(total / world_size)`` when all layers may be split; McNaughton's wrap-around rule, in whole
     rows): a shard has at least ``min_rows`` rows, a rank with room for fewer is passed over, and rows left once every
@@ -197,16 +196,6 @@ def _water_level(load: list[int], extra: int) -> int:
         if k == len(low) or level <= low[k]:
             return level
     raise AssertionError("unreachable")
-
-
-def assign_layers(layers: Sequence[PrunableLayer], world_size: int) -> list[int]:
-    """The rank that prunes each (whole) layer: :func:`plan_work` without row shards, i.e. largest estimated cost
-    ``d_out * d_in^2`` first, each to the least loaded rank (ties to the lowest rank).
-
-    Returns:
-        ``owners[j]`` is the rank of ``layers[j]``.
-    """
-    return [unit.rank for unit in plan_work(layers, world_size)]
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from sparseswaps_prune.core.spec import build_spec
 from sparseswaps_prune.llm import pipeline
 from sparseswaps_prune.llm.capture import BlockInputs, capture_block_inputs
 from sparseswaps_prune.llm.checkpoint import CheckpointMismatch
-from sparseswaps_prune.llm.distributed import WindowShards, WorkUnit, assign_layers, plan_work, sum_shard_grams
+from sparseswaps_prune.llm.distributed import WindowShards, WorkUnit, plan_work, sum_shard_grams
 from sparseswaps_prune.llm.job import JobConfig
 from sparseswaps_prune.llm.layers import find_blocks
 from sparseswaps_prune.llm.models import tiny_model
@@ -337,10 +337,10 @@ def test_plan_work_balances_row_shards_and_covers_every_row_once(world_size, min
         assert [(u.start, u.stop) for u in units] == [(0, layer.d_out) for layer in LLAMA_8B]
 
 
-def test_plan_work_without_split_is_assign_layers():
+def test_plan_work_without_split_places_whole_layers_largest_first():
     whole = plan_work(LLAMA_8B, 8)
     assert [(u.layer, u.start, u.stop) for u in whole] == [(j, 0, x.d_out) for j, x in enumerate(LLAMA_8B)]
-    assert [u.rank for u in whole] == assign_layers(LLAMA_8B, 8) == [3, 5, 6, 4, 1, 2, 0]  # largest first
+    assert [u.rank for u in whole] == [u.rank for u in plan_work(LLAMA_8B, 8)] == [3, 5, 6, 4, 1, 2, 0]
     assert max(loads(LLAMA_8B, whole, 8)) == 4096 * 14336**2  # down_proj alone
     # Layers that may not be split stay whole and are placed first; the others fill around them.
     mixed = plan_work(LLAMA_8B, 4, [True] * 6 + [False])

@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 from sparseswaps_prune.core.spec import build_spec
 from sparseswaps_prune.llm import pipeline, streaming
 from sparseswaps_prune.llm.checkpoint import CheckpointMismatch
-from sparseswaps_prune.llm.distributed import assign_layers
+from sparseswaps_prune.llm.distributed import plan_work
 from sparseswaps_prune.llm.models import tiny_model
 from sparseswaps_prune.llm.pipeline import PruneOptions, finalize, prune_model
 from sparseswaps_prune.llm.streaming import SafetensorsCheckpoint, ShardedWriter, prune_checkpoint
@@ -221,16 +221,21 @@ def test_sharded_writer_any_order_and_incomplete(tmp_path):
     assert os.listdir(tmp_path / "x") == []
 
 
-def test_assign_layers_balances_by_cost():
+def owners(layers, world_size):
+    """The rank of each whole layer in :func:`plan_work`'s plan without row shards."""
+    return [unit.rank for unit in plan_work(layers, world_size)]
+
+
+def test_whole_layers_are_balanced_by_cost():
     model = tiny_model("llama")
     from sparseswaps_prune.modules import find_layers
 
     layers = find_layers(model.model.layers[0], prefix="b")  # q k v o (64 in), gate up (64 in), down (128 in)
-    owners = assign_layers(layers, 2)
-    assert owners == assign_layers(layers, 2) and set(owners) == {0, 1}
+    ranks = owners(layers, 2)
+    assert ranks == owners(layers, 2) and set(ranks) == {0, 1}
     down = [layer.name for layer in layers].index("b.mlp.down_proj")
-    assert owners.count(owners[down]) < owners.count(1 - owners[down])  # the costliest layer's rank gets fewer
-    assert assign_layers(layers, 1) == [0] * len(layers)
+    assert ranks.count(ranks[down]) < ranks.count(1 - ranks[down])  # the costliest layer's rank gets fewer
+    assert owners(layers, 1) == [0] * len(layers)
 
 
 def _ranks_worker(rank: int, world_size: int, tmp: str) -> None:
