@@ -13,6 +13,7 @@ import torch
 
 from sparseswaps_prune.core.gram import GramAccumulator
 from sparseswaps_prune.core.spec import DEFAULT_SPEC, DSnoTRefine, PruneSpec, SwapRefine, build_spec
+from sparseswaps_prune.llm.block_tune import BLOCK_TUNE_EPOCHS, BLOCK_TUNE_LR
 from sparseswaps_prune.llm.data import load_calibration
 from sparseswaps_prune.llm.layers import find_blocks
 from sparseswaps_prune.llm.models import load_model
@@ -78,18 +79,25 @@ _OPTION_TYPES: dict[str, Callable[[str], Any]] = {
     "profile": str,
     "owl_m": float,
     "owl_lambda": float,
+    "tune": int,
+    "tune_lr": float,
 }
 # setting options that are pipeline options (PruneOptions fields), not a layer's spec: setting name -> field
-_PIPELINE_OPTIONS = {"profile": "sparsity_profile", "owl_m": "owl_m", "owl_lambda": "owl_lambda"}
+_PIPELINE_OPTIONS = {
+    "profile": "sparsity_profile", "owl_m": "owl_m", "owl_lambda": "owl_lambda", "tune": "block_tune_epochs",
+    "tune_lr": "block_tune_lr",
+}  # fmt: skip
 _WEIGHT_NAMES = {"start": "start weights", "admm_update": "admm update", "alps_update": "alps update"}
 
 
 def parse_setting(text: str) -> dict[str, Any]:
     """``"start=admm,refine=none,max_iters=5"`` -> ``{"start": "admm", "refine": "none", "max_iters": 5}``;
-    ``"default"`` or ``""`` -> ``{}``."""
+    ``""`` -> ``{}`` (DEFAULT_SPEC without block tuning); ``"default"`` -> ``{"tune": BLOCK_TUNE_EPOCHS}``: the CLI's
+    default, DEFAULT_SPEC with its block tuning (``PruneOptions()``)."""
     setting: dict[str, Any] = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
         if item == "default":
+            setting.setdefault("tune", BLOCK_TUNE_EPOCHS)
             continue
         key, sep, value = item.partition("=")
         if not sep:
@@ -102,6 +110,15 @@ def parse_setting(text: str) -> dict[str, Any]:
             setting[key] = _OPTION_TYPES[key](value)
         except (KeyError, ValueError):
             raise SystemExit(f"setting {text!r}: bad value {value!r} for {key}") from None
+    return setting
+
+
+def layer_setting(text: str) -> dict[str, Any]:
+    """:func:`parse_setting` for scripts that prune single layers: ``"default"`` is ``DEFAULT_SPEC`` there (the
+    default's block tuning is a pipeline stage, not a layer's)."""
+    setting = parse_setting(text)
+    if "default" in (part.strip() for part in text.split(",")) and setting.get("tune") == BLOCK_TUNE_EPOCHS:
+        del setting["tune"]
     return setting
 
 
@@ -131,8 +148,10 @@ def setting_spec(setting: dict[str, Any], pattern: str, max_iters: int) -> Prune
 
 def setting_options(setting: dict[str, Any], pattern: str, max_iters: int) -> PruneOptions:
     """The pipeline options of one setting at one pattern: :func:`setting_spec` of its spec options, and its
-    pipeline options (``profile``: ``PruneOptions.sparsity_profile``, ``owl_m``, ``owl_lambda``), validated."""
-    fields = {_PIPELINE_OPTIONS[key]: value for key, value in setting.items() if key in _PIPELINE_OPTIONS}
+    pipeline options (``profile``: ``PruneOptions.sparsity_profile``, ``owl_m``, ``owl_lambda``; ``tune``:
+    ``block_tune_epochs``, 0 unless given, ``tune_lr``: ``block_tune_lr``), validated."""
+    fields = {"block_tune_epochs": 0}
+    fields |= {_PIPELINE_OPTIONS[key]: value for key, value in setting.items() if key in _PIPELINE_OPTIONS}
     spec = setting_spec({k: v for k, v in setting.items() if k not in _PIPELINE_OPTIONS}, pattern, max_iters)
     options = PruneOptions(spec=spec, **fields)
     options.validate()
@@ -172,7 +191,12 @@ def label(spec: PruneSpec) -> str:
 
 
 def options_label(options: PruneOptions) -> str:
-    """:func:`label` of the spec, and a non-uniform block profile, e.g. ``wanda -> ... -> ls, owl M=5 lambda=0.08``."""
+    """:func:`label` of the spec, block tuning and a non-uniform block profile, e.g. ``wanda -> ... -> ls -> block tune
+    10``, ``wanda -> ... -> ls, owl M=5 lambda=0.08``."""
+    text = label(options.spec)
+    if options.block_tune_epochs:
+        text += f" -> block tune {options.block_tune_epochs}"
+        text += "" if options.block_tune_lr == BLOCK_TUNE_LR else f" lr {options.block_tune_lr:g}"
     if options.sparsity_profile == "uniform":
-        return label(options.spec)
-    return f"{label(options.spec)}, {options.sparsity_profile} M={options.owl_m:g} lambda={options.owl_lambda:g}"
+        return text
+    return f"{text}, {options.sparsity_profile} M={options.owl_m:g} lambda={options.owl_lambda:g}"

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import capture_grams, label, parse_setting, setting_spec
+from common import capture_grams, label, layer_setting, setting_spec
 
 from sparseswaps_prune.atomic import save_json
 from sparseswaps_prune.core.gram import GramAccumulator
@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None, grams_of=capture_grams) -> dict[str, lis
     for pattern in args.patterns:
         for text in args.settings:
             try:
-                runs.append((pattern, setting_spec(parse_setting(text), pattern, args.max_iters)))
+                runs.append((pattern, setting_spec(layer_setting(text), pattern, args.max_iters)))
             except (TypeError, ValueError) as err:
                 raise SystemExit(f"setting {text!r} at {pattern}: {err}") from None
     out = Path(args.out)

@@ -29,6 +29,7 @@ from sparseswaps_prune.core.spec import (
     WEIGHTS,
     build_spec,
 )
+from sparseswaps_prune.llm.block_tune import BLOCK_TUNE_EPOCHS, BLOCK_TUNE_LR
 
 if TYPE_CHECKING:
     from sparseswaps_prune.llm.job import JobConfig
@@ -64,15 +65,17 @@ def job_config(args: argparse.Namespace) -> JobConfig:
     if args.sparsity_profile != "owl" and profile.keys() - {"sparsity_profile"}:
         given = ", ".join(f"--{name.replace('_', '-')}" for name in profile if name != "sparsity_profile")
         raise ValueError(f"{given} set OWL's budgets: add --sparsity-profile owl, or drop them")
+    tune = {name: getattr(args, name) for name in _TUNE_FIELDS if getattr(args, name) is not None}
     options = PruneOptions(
         spec=spec, include=args.include, exclude=args.exclude, gram_dtype=args.gram_dtype,
-        calib_shards=args.calib_shards, row_shards=args.row_shards, **profile,
+        calib_shards=args.calib_shards, row_shards=args.row_shards, **profile, **tune,
     )  # fmt: skip
     given = {name: getattr(args, name) for name in _JOB_FIELDS if getattr(args, name) is not None}
     return JobConfig(prune=options, **given)
 
 
 _PROFILE_FIELDS = ("sparsity_profile", "owl_m", "owl_lambda")
+_TUNE_FIELDS = ("block_tune_epochs", "block_tune_lr")
 _JOB_FIELDS = (
     "model", "gguf_file", "calib", "nsamples", "seqlen", "holdout", "eval", "eval_windows", "device", "dtype", "seed",
     "batch_size", "blockwise", "distributed",
@@ -271,6 +274,15 @@ def _add_prune_options(p: argparse.ArgumentParser) -> None:
         help="keep a row's weight update only where it lowers its held-out loss (default off; with --ridge mean it "
         "pays: the weakly damped re-fit over-fits some rows)",
     )
+
+    tune = p.add_argument_group("block tuning (after each block's layers are pruned)")
+    tune.add_argument(
+        "--block-tune-epochs", type=int,
+        help="tune the kept weights of each pruned block for this many epochs so that it reproduces the dense "
+        "model's block output, keeping the epoch with the lowest held-out error (0: off; doubles the captured "
+        f"inputs) (default {BLOCK_TUNE_EPOCHS})",
+    )  # fmt: skip
+    tune.add_argument("--block-tune-lr", type=float, help=f"Adam's learning rate (default {BLOCK_TUNE_LR:g})")
 
     layers = p.add_argument_group("layers")
     layers.add_argument("--include", nargs="+", help="fnmatch patterns of layer names to prune (default: all)")

@@ -3,7 +3,8 @@
 A checkpoint directory holds, after block ``k - 1`` finished:
 
 * ``block_0000.pt`` ... ``block_{k-1}.pt``: each finished block's masks, re-fitted and dense weights, reports;
-* ``inputs_<key>_{k}.pt`` (one per token set: ``fit``, ``holdout``): the inputs of block ``k``;
+* ``inputs_<key>_{k}.pt`` (one per token set: ``fit``, ``holdout``, and with block tuning the dense model's
+  ``fit_dense``, ``holdout_dense``): the inputs of block ``k``;
 * ``progress.json``: the marker. It names the files above (and only those count) and records the
   :class:`Fingerprint` of the run: per-part hashes of everything that changes the output (model config and
   weights, dtype, calibration and held-out windows, options) plus the options themselves.
@@ -49,6 +50,8 @@ logger = logging.getLogger(__name__)
 
 FORMAT = 2
 PROGRESS = "progress.json"
+# The pipeline's token sets (pipeline.STREAMS) and, with block tuning, the dense model's (pipeline.dense_key)
+INPUT_KEYS = ("fit", "holdout", "fit_dense", "holdout_dense")
 # Every name this module writes (and the temporary files of their atomic writes); nothing else in the directory
 # (e.g. the job's dense.json) is ever removed.
 _OWN_FILE = re.compile(r"^(block_\d+\.pt|inputs_\w+\.pt|\.(block_|inputs_|progress\.json).*\.tmp)$")
@@ -315,7 +318,7 @@ def load(state: str | Path, current: Fingerprint, ranks: Any = None) -> Resumed 
         )
     remove_strays(state, progress)
     next_block = int(progress["next_block"])
-    own = {_input_slot(key, None if ranks is None else ranks.rank): key for key in ("fit", "holdout")}
+    own = {_input_slot(key, None if ranks is None else ranks.rank): key for key in INPUT_KEYS}
     inputs = {own[slot]: BlockInputs.load(state / name) for slot, name in sorted(progress["inputs"].items())
               if slot in own}  # fmt: skip
     for key, part in inputs.items():
@@ -342,6 +345,7 @@ def save_block(
     re-fitted and dense weights, and reports, from the pipeline's ``result``) and the next block's ``inputs``
     (:func:`commit_block`)."""
     names = [layer.name for layer in layers]
+    tune = next((t for t in result.block_tunes if t.block == index), None)  # tuned weights are always recorded
     by_name = {layer.name: layer for layer in layers}
     main = ranks is None or ranks.is_main
     payload = None
@@ -349,9 +353,14 @@ def save_block(
         payload = {
             "masks": {n: result.masks[n] for n in names},
             "warmstart": {n: result.warmstart_masks[n] for n in names},
-            "weights": {r.name: by_name[r.name].dense_weight_2d().cpu() for r in reports if r.updated_rows is not None},
+            "weights": {
+                r.name: by_name[r.name].dense_weight_2d().cpu()
+                for r in reports
+                if r.updated_rows is not None or tune is not None
+            },
             "dense": {n: result.dense_weights[n] for n in names if n in result.dense_weights},
             "reports": [asdict(r) for r in reports],
+            "tune": None if tune is None else asdict(tune),
         }
     commit_block(state, current, index, inputs, payload, ranks)
 

@@ -152,6 +152,8 @@ class JobConfig:
         for name in ("blockwise", "distributed"):
             if getattr(self, name):
                 self.prune.require_uniform(f"{name}=True (--{name})")
+        if self.distributed:
+            self.prune.require_whole_windows("distributed=True (--distributed)")
         if self.blockwise:
             self._check_blockwise()
 
@@ -300,6 +302,7 @@ def run_job(config: JobConfig, out_dir: str | os.PathLike[str], *, progress: boo
         "layers": layer_rows(result.layers),
         "totals": totals(result.layers),
         "perplexity": {"dense": dense, "warmstart": warm, "refined": refined},
+        "block_tunes": [asdict(t) for t in result.block_tunes],
         "seconds": {"prune": result.seconds, "wall": time.perf_counter() - start},
     }
 
@@ -440,8 +443,9 @@ def _run_blockwise(config: JobConfig, out: Path, start: float, progress: bool) -
         "layers": layer_rows(layers),
         "totals": totals(layers),
         "perplexity": {"dense": None, "warmstart": None, "refined": None},
+        "block_tunes": result.report["block_tunes"],
         "seconds": {"prune": result.seconds, "wall": time.perf_counter() - start},
-        "memory": result.report,
+        "memory": {k: v for k, v in result.report.items() if k != "block_tunes"},
     }
     publish(report)
     _remove_leftovers(out)
@@ -463,6 +467,17 @@ def summary(report: dict[str, Any]) -> str:
         lines.append(
             f"summed layer loss (held-out): start {t['holdout_start']:.6g} -> refined mask "
             f"{t['holdout_refined']:.6g} -> final weights {t['holdout_final']:.6g}"
+        )
+    tunes = report.get("block_tunes") or []
+    if tunes:
+        key = "holdout" if tunes[0]["holdout_before"] is not None else "fit"
+        before = sum(t[f"{key}_before"] for t in tunes) / len(tunes)
+        after = sum(t[f"{key}_after"] for t in tunes) / len(tunes)
+        lines.append(
+            f"block tuning ({len(tunes)} blocks): relative error of the block outputs against the dense model's on the "
+            f"{'held-out' if key == 'holdout' else 'calibration'} windows, mean {before:.4g} -> {after:.4g}; epochs "
+            f"kept {min(t['best_epoch'] for t in tunes)}-{max(t['best_epoch'] for t in tunes)} of "
+            f"{tunes[0]['epochs']}, {sum(t['seconds'] for t in tunes):.0f} s"
         )
     fmt = lambda v: "n/a" if v is None else f"{v:.3f}"  # noqa: E731
     lines.append(

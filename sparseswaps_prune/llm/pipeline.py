@@ -31,6 +31,7 @@ from sparseswaps_prune.core.gram import GramAccumulator
 from sparseswaps_prune.core.layer import LayerOutcome, prune_layer
 from sparseswaps_prune.core.spec import DEFAULT_SPEC, Budget, DSnoTRefine, PruneSpec
 from sparseswaps_prune.llm import checkpoint, offload
+from sparseswaps_prune.llm.block_tune import BLOCK_TUNE_EPOCHS, BLOCK_TUNE_LR, BlockTuneReport, check_tune, tune_block
 from sparseswaps_prune.llm.budgets import owl_block_sparsities
 from sparseswaps_prune.llm.capture import BlockInputs, capture_block_inputs
 from sparseswaps_prune.llm.distributed import Ranks, WindowShards, plan_work, sum_shard_grams
@@ -71,6 +72,13 @@ class PruneOptions:
             layer, not N:M); not supported with ``distributed=True`` or the block-wise streaming path in this version.
         owl_m: OWL's outlier threshold ``M`` (> 0; scores above ``M`` times the block's mean are outliers).
         owl_lambda: OWL's ``lambda`` (>= 0): the block sparsities span at most ``2 * lambda``.
+        block_tune_epochs: after each block's layers are pruned, tune their kept weights for this many epochs so that
+            the pruned block reproduces the dense model's output of that block
+            (:func:`~sparseswaps_prune.llm.block_tune.tune_block`; the epoch with the lowest error on the held-out
+            windows is kept, 0 included); 0: no block tuning. The pipeline then carries the dense model's block inputs
+            beside the pruned model's (twice the captured inputs in memory and in checkpoints). With
+            ``distributed=True`` every rank tunes the block on all windows (``calib_shards=1`` only).
+        block_tune_lr: Adam's learning rate for block tuning (> 0).
     """
 
     spec: PruneSpec = DEFAULT_SPEC
@@ -83,6 +91,8 @@ class PruneOptions:
     sparsity_profile: str = "uniform"
     owl_m: float = OWL_M
     owl_lambda: float = OWL_LAMBDA
+    block_tune_epochs: int = BLOCK_TUNE_EPOCHS
+    block_tune_lr: float = BLOCK_TUNE_LR
 
     def validate(self) -> None:
         """Raise ``ValueError``/``TypeError`` naming the bad option."""
@@ -101,6 +111,7 @@ class PruneOptions:
             raise ValueError(f"sparsity_profile must be one of {PROFILES}, got {self.sparsity_profile!r}")
         check_owl_m(self.owl_m)
         check_number(self.owl_lambda, "owl_lambda", low=0.0)
+        check_tune(self.block_tune_epochs, self.block_tune_lr)
         if self.sparsity_profile == "owl" and self.spec.budget.nm is not None:
             raise ValueError(
                 f"sparsity_profile='owl' gives each block its own sparsity, but the budget is "
@@ -116,10 +127,22 @@ class PruneOptions:
                 "sparsity_profile='uniform' (--sparsity-profile uniform) there, or prune in one process in memory"
             )
 
+    def require_whole_windows(self, what: str) -> None:
+        """Raise ``ValueError`` if block tuning is on with ``calib_shards > 1`` under ``what``: tuning steps through
+        every calibration batch in order, which a rank holding only its own shards cannot do."""
+        if self.block_tune_epochs and self.calib_shards > 1:
+            raise ValueError(
+                f"block_tune_epochs={self.block_tune_epochs} (--block-tune-epochs) needs every calibration window on "
+                f"every rank, but calib_shards={self.calib_shards} splits them under {what}; use calib_shards=1 "
+                "(--calib-shards 1), or block_tune_epochs=0 (--block-tune-epochs 0)"
+            )
+
     def describe(self) -> str:
         """The spec's description (:meth:`~sparseswaps_prune.core.spec.PruneSpec.describe`) and a non-uniform
         profile, e.g. ``60% per row (OWL M=5 lambda=0.08): wanda -> ...``."""
         text = self.spec.describe()
+        if self.block_tune_epochs:
+            text += f" -> block tune {self.block_tune_epochs} epochs lr {self.block_tune_lr:g}"
         if self.sparsity_profile == "uniform":
             return text
         head, sep, tail = text.partition(":")
@@ -131,7 +154,9 @@ class PruneOptions:
 
     @classmethod
     def from_dict(cls, data: dict) -> PruneOptions:
-        data = dict(data)
+        """Inverse of :meth:`to_dict`; a dict written before block tuning existed had none (``block_tune_epochs``
+        0), whatever the current default."""
+        data = {"block_tune_epochs": 0} | dict(data)
         return cls(spec=PruneSpec.from_dict(data.pop("spec")), **data)
 
 
@@ -214,12 +239,14 @@ class PruneResult:
 
     ``dense_weights`` holds the original ``[d_out, d_in]`` weights (CPU) of layers whose weights were
     re-fitted, when :func:`prune_model` was asked to keep them (e.g. to evaluate the warmstart masks).
+    ``block_tunes`` has one report per tuned block (``PruneOptions.block_tune_epochs``).
     """
 
     layers: list[LayerReport] = field(default_factory=list)
     masks: dict[str, torch.Tensor] = field(default_factory=dict)
     warmstart_masks: dict[str, torch.Tensor] = field(default_factory=dict)
     dense_weights: dict[str, torch.Tensor] = field(default_factory=dict)
+    block_tunes: list[BlockTuneReport] = field(default_factory=list)
     seconds: float = 0.0
 
 
@@ -292,6 +319,7 @@ def prune_model(
     options.validate()
     if distributed:
         options.require_uniform("distributed=True (--distributed)")
+        options.require_whole_windows("distributed=True (--distributed)")
     start = time.perf_counter()
     check_layers(model, options)
     blocks_name, blocks = find_blocks(model, options.blocks_path)
@@ -314,7 +342,9 @@ def prune_model(
             first_block, inputs = resumed.next_block, resumed.inputs
             _restore(resumed, blocks, blocks_name, options, result, keep_dense)
     if inputs is None:
-        inputs = capture_shards(model, blocks, calib_tokens, holdout_tokens, batch_size, shards)
+        inputs = capture_shards(
+            model, blocks, calib_tokens, holdout_tokens, batch_size, shards, dense=options.block_tune_epochs > 0
+        )
     bar = tqdm(
         range(first_block, len(blocks)), desc="blocks", disable=not progress, initial=first_block, total=len(blocks)
     )
@@ -366,15 +396,26 @@ def capture_shards(
     holdout_tokens: torch.Tensor | None,
     batch_size: int,
     shards: dict[str, WindowShards],
+    dense: bool = False,
 ) -> dict[str, BlockInputs]:
     """Capture the inputs of block 0 for this rank's windows only (``shards[key].rows`` of ``[n, seqlen]`` tokens;
     all of them with one shard). Each batch is captured on its own, so the rows are those a capture of all windows
-    would give."""
+    would give. With ``dense`` (block tuning) the same inputs also start the dense model's streams, under
+    :func:`dense_key` (``"fit_dense"``, ``"holdout_dense"``)."""
     tokens = {"fit": calib_tokens, "holdout": holdout_tokens}
-    return {
+    inputs = {
         key: capture_block_inputs(model, blocks, tokens[key][split.rows], batch_size=batch_size)
         for key, split in shards.items()
     }
+    return inputs | ({dense_key(key): part for key, part in inputs.items()} if dense else {})
+
+
+STREAMS = ("fit", "holdout")
+
+
+def dense_key(key: str) -> str:
+    """The key of the dense model's inputs beside the pruned model's ``key`` (``"fit"`` -> ``"fit_dense"``)."""
+    return f"{key}_dense"
 
 
 def check_layers(model: nn.Module, options: PruneOptions) -> list[PrunableLayer]:
@@ -477,15 +518,28 @@ def _process_block(
     pruned weights, made permanent, go back where the hooks keep them: the offload storage or the block's own device
     (:func:`~sparseswaps_prune.llm.offload.onloaded`). ``inputs`` hold this rank's windows of ``shards`` (None: one
     shard, all windows). Returns the block's layers, their reports and the next block's inputs (this rank's windows
-    only)."""
+    only).
+
+    With ``options.block_tune_epochs``, ``inputs`` also hold the dense model's inputs of the block (:func:`dense_key`):
+    the dense block's outputs on them are the targets of :func:`~sparseswaps_prune.llm.block_tune.tune_block`, which
+    runs after the layers are pruned (its report goes to ``result.block_tunes``), and the next dense inputs."""
     dispatched = offload.is_dispatched(blocks[index])
     block = blocks[index] if dispatched else blocks[index].to(device)
     with offload.onloaded(block, device) if dispatched else contextlib.nullcontext():
         layers = find_layers(block, prefix=f"{blocks_name}.{index}", include=options.include, exclude=options.exclude)
+        streams = {key: inputs[key] for key in STREAMS if key in inputs}
+        targets = {key: inputs[dense_key(key)].run_block(block, device) for key in streams if dense_key(key) in inputs}
         reports = _prune_block(
-            block, layers, inputs, options, device, result, index, progress, keep_dense, ranks, shards
+            block, layers, streams, options, device, result, index, progress, keep_dense, ranks, shards
         )
-        inputs = {key: part.run_block(block, device) for key, part in inputs.items()}
+        if targets and layers:
+            tuned = tune_block(
+                block, layers, streams, targets, index=index, epochs=options.block_tune_epochs,
+                lr=options.block_tune_lr, device=device,
+            )  # fmt: skip
+            result.block_tunes.append(tuned)
+        inputs = {key: part.run_block(block, device) for key, part in streams.items()}
+        inputs |= {dense_key(key): target for key, target in targets.items()}
     if not dispatched:
         _to_cpu(blocks[index], layers)
     return layers, reports, inputs
@@ -573,7 +627,7 @@ def _prune_block(
         ]
         outcome = LayerOutcome.cat(parts)
         fit, holdout = grams["fit"][layer.name], grams.get("holdout", {}).get(layer.name)
-        if keep_dense and outcome.weight is not None:
+        if keep_dense and (outcome.weight is not None or options.block_tune_epochs):  # tuning changes every weight
             result.dense_weights[layer.name] = layer.dense_weight_2d().cpu().clone()
         result.masks[layer.name] = outcome.keep_mask
         result.warmstart_masks[layer.name] = outcome.start_mask
@@ -600,6 +654,8 @@ def _restore(
             apply_mask(layer, saved["masks"][layer.name], saved["weights"].get(layer.name))
         result.masks.update(saved["masks"])
         result.warmstart_masks.update(saved["warmstart"])
+        if saved.get("tune") is not None:
+            result.block_tunes.append(BlockTuneReport(**saved["tune"]))
         if keep_dense:
             result.dense_weights.update(saved["dense"])
         result.layers.extend(LayerReport(**r) for r in saved["reports"])

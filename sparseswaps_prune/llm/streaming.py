@@ -71,6 +71,7 @@ from sparseswaps_prune.atomic import fsync_dir
 from sparseswaps_prune.core.checks import check_device
 from sparseswaps_prune.extras import require
 from sparseswaps_prune.llm import checkpoint, pipeline
+from sparseswaps_prune.llm.block_tune import BlockTuneReport
 from sparseswaps_prune.llm.distributed import Ranks
 from sparseswaps_prune.llm.layers import find_blocks
 from sparseswaps_prune.llm.pipeline import LayerReport, PruneOptions, PruneResult, check_layers, finalize
@@ -998,6 +999,8 @@ def prune_checkpoint(
     probe = MemoryProbe()
     options.validate()
     options.require_uniform("the block-wise streaming path (prune_checkpoint, --blockwise)")
+    if distributed:
+        options.require_whole_windows("distributed=True (--distributed)")
     device = check_device(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -1059,10 +1062,13 @@ def prune_checkpoint(
             raise checkpoint.CheckpointMismatch(error)
     try:
         layers: list[LayerReport] = []
+        tunes: list[BlockTuneReport] = []
         embedding_bytes = 0
         if resumed is None:
             _load(model, reader, mapping, for_capture + block_keys[0])
-            inputs = pipeline.capture_shards(model, blocks, calib_tokens, holdout_tokens, batch_size, shards)
+            inputs = pipeline.capture_shards(
+                model, blocks, calib_tokens, holdout_tokens, batch_size, shards, dense=options.block_tune_epochs > 0
+            )
             seconds_capture = time.perf_counter() - start
             embedding_bytes = sum(_tensor_bytes(state[n].dtype, state[n].shape) for n in for_capture)
             if writer is not None:
@@ -1077,6 +1083,8 @@ def prune_checkpoint(
             seconds_capture = time.perf_counter() - start
             for _, saved in resumed.blocks():
                 layers.extend(LayerReport(**report) for report in saved["reports"])
+                if saved.get("tune") is not None:
+                    tunes.append(BlockTuneReport(**saved["tune"]))
         per_block = []
         bar = tqdm(
             range(first_block, len(blocks)), desc="blocks", disable=not progress, initial=first_block, total=len(blocks)
@@ -1089,11 +1097,12 @@ def prune_checkpoint(
             if unloaded:
                 raise ValueError(f"block {index} has parameters the checkpoint did not provide: {unloaded[:3]}")
             # A fresh result per block: its masks are dropped with the block.
-            step_ranks = ranks if ranks.world_size > 1 else None
+            step_ranks, step = ranks if ranks.world_size > 1 else None, PruneResult()
             _, reports, inputs = pipeline._process_block(
-                blocks, blocks_name, index, inputs, options, device, PruneResult(), progress, False, step_ranks, shards
+                blocks, blocks_name, index, inputs, options, device, step, progress, False, step_ranks, shards
             )
             layers.extend(reports)
+            tunes.extend(step.block_tunes)
             finalize(blocks[index])
             if writer is not None:
                 block_state = blocks[index].state_dict()
@@ -1104,7 +1113,8 @@ def prune_checkpoint(
             if state_dir is not None:  # the block's weights are in the shards: its block file holds its reports only
                 if writer is not None:
                     writer.sync()
-                payload = {"reports": [asdict(r) for r in reports]} if ranks.is_main else None
+                tune = asdict(step.block_tunes[0]) if step.block_tunes else None
+                payload = {"reports": [asdict(r) for r in reports], "tune": tune} if ranks.is_main else None
                 checkpoint.commit_block(state_dir, fingerprint, index, inputs, payload, checkpoint_ranks)
             per_block.append(
                 {
@@ -1150,5 +1160,6 @@ def prune_checkpoint(
         "world_size": ranks.world_size,
         "first_block": first_block,
         "blocks": per_block,
+        "block_tunes": [asdict(t) for t in tunes],
     }
     return StreamResult(layers=layers, files=files, report=report, seconds=seconds)

@@ -51,7 +51,8 @@ def test_settings_are_build_spec_options(compare, common):
         "guard": False,
         "max_iters": 5,
     }
-    assert compare.parse_setting("default") == compare.parse_setting("") == {}
+    assert compare.parse_setting("") == {}  # DEFAULT_SPEC without block tuning
+    assert compare.parse_setting("default") == {"tune": 10}  # the CLI's default: PruneOptions()
     assert compare.parse_setting("refine=dsnot,dsnot_skip=none") == {"refine": "dsnot", "dsnot_skip": None}
     for bad in ("warmstart=wanda", "sparsity=0.5", "guard=maybe", "refine"):
         with pytest.raises(SystemExit):
@@ -73,7 +74,7 @@ def test_labels_name_every_stage(compare, common):
 
     assert label("start=admm,scope=layer,refine=none,weights=start") == "admm/layer -> none -> start weights"
     assert label("start=admm,scope=layer,refine=none,weights=start", "2:4") == "admm -> none -> start weights"
-    assert label("default") == "wanda -> sparseswaps T=25 -> ls"
+    assert label("") == "wanda -> sparseswaps T=25 -> ls"
     assert label("ridge=mean,guard=true") == "wanda -> sparseswaps T=25 -> ls damp 0.001 ridge mean (guarded)"
     assert label("start=sparsegpt,scope=layer,refine=none,weights=obs") == "sparsegpt/layer -> none -> obs"
     assert label("refine=none,damp=0.01,guard=false") == "wanda -> none -> ls damp 0.01"
@@ -82,7 +83,10 @@ def test_labels_name_every_stage(compare, common):
     assert label("start=sparsegpt,start_damp=0.05,weights=alps") == (
         "sparsegpt damp 0.05 -> sparseswaps T=25 -> alps update"
     )
-    preset = [label(text) for text in compare.PRESETS["admm-alps"]]
+    preset = [
+        common.options_label(common.setting_options(compare.parse_setting(text), "60%", 25))
+        for text in compare.PRESETS["admm-alps"]
+    ]
     assert len(set(preset)) == len(preset)
 
 
@@ -91,9 +95,9 @@ def test_owl_settings_are_pipeline_options(compare, common, tmp_path, capsys):
     assert setting == {"profile": "owl", "owl_lambda": 0.05, "refine": "none", "weights": "keep"}
     options = common.setting_options(setting, "70%", 25)
     spec = build_spec(sparsity=0.7, refine="none", weights="keep")
-    assert options == PruneOptions(spec=spec, sparsity_profile="owl", owl_lambda=0.05)
+    assert options == PruneOptions(spec=spec, sparsity_profile="owl", owl_lambda=0.05, block_tune_epochs=0)
     assert common.options_label(options) == "wanda -> none -> keep, owl M=5 lambda=0.05"
-    assert common.setting_options({}, "60%", 25) == PruneOptions()
+    assert common.setting_options({}, "60%", 25) == PruneOptions(block_tune_epochs=0)
     with pytest.raises(ValueError, match="nm=\\(2, 4\\)"):
         common.setting_options(setting, "2:4", 25)
     with pytest.raises(ValueError, match="owl_lambda, profile set the pipeline's block budgets"):
@@ -124,7 +128,7 @@ def test_admm_alps_preset_on_a_tiny_model(compare, tmp_path, capsys):
         "admm/layer -> none -> start weights",
         "alps/layer -> none -> start weights",
         "sparsegpt/layer -> none -> obs",
-        "wanda -> sparseswaps T=3 -> ls",
+        "wanda -> sparseswaps T=3 -> ls -> block tune 10",
         "admm -> sparseswaps T=3 -> ls",
         "alps -> sparseswaps T=3 -> ls",
         "alps -> none -> ls",
@@ -165,3 +169,18 @@ def test_rows_of_another_spec_are_not_read(compare, tmp_path, capsys):
     rerun = compare.main(args, make_experiment=tiny_experiment)
     assert rerun["60%"][0]["totals"]["loss_final"] == pytest.approx(none["loss_final"])
     assert json.loads(path.read_text())["options"]["spec"]["refine"]["kind"] == "none"
+
+
+def test_block_tuning_settings_are_pipeline_options(compare, common):
+    default = common.setting_options(compare.parse_setting("default"), "60%", 25)
+    assert default == PruneOptions()
+    assert common.options_label(default) == "wanda -> sparseswaps T=25 -> ls -> block tune 10"
+    tuned = common.setting_options(compare.parse_setting("refine=none,tune=5,tune_lr=0.003"), "60%", 25)
+    assert (tuned.block_tune_epochs, tuned.block_tune_lr) == (5, 0.003)
+    assert common.options_label(tuned) == "wanda -> none -> ls -> block tune 5 lr 0.003"
+    # rows written before block tuning existed were not tuned: they are read as block_tune_epochs=0
+    old = PruneOptions(block_tune_epochs=0).to_dict()
+    del old["block_tune_epochs"], old["block_tune_lr"]
+    assert PruneOptions.from_dict(old) == common.setting_options({}, "60%", 25)
+    with pytest.raises(ValueError, match="tune set the pipeline's"):
+        common.setting_spec({"tune": 5}, "60%", 25)

@@ -56,6 +56,11 @@ def test_cli_and_python_defaults_build_the_same_job():
     assert shards == JobConfig(prune=PruneOptions(calib_shards=4))
     rows = job_config(build_parser().parse_args(["prune", "--out", "x", "--distributed", "--row-shards", "256"]))
     assert rows == JobConfig(prune=PruneOptions(row_shards=256), distributed=True)
+    tune = job_config(build_parser().parse_args(["prune", "--out", "x", "--block-tune-epochs", "3", "--block-tune-lr",
+                                                 "0.002"]))  # fmt: skip
+    assert tune == JobConfig(prune=PruneOptions(block_tune_epochs=3, block_tune_lr=0.002))
+    assert PruneOptions().block_tune_epochs == 10  # block tuning is part of the default
+    assert main(["prune", "--block-tune-epochs", "-1", "--out", "x"]) == 2
 
 
 def test_cli_errors_are_one_line(tmp_path, capsys):

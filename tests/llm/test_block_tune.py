@@ -1,0 +1,178 @@
+"""Block tuning (llm/block_tune.py) on tiny random-weight models: exact zeros, the held-out choice of epoch,
+the dense target stream, resume, and the refusals."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from sparseswaps_prune.core.spec import build_spec
+from sparseswaps_prune.llm import pipeline
+from sparseswaps_prune.llm.block_tune import relative_error, tune_block
+from sparseswaps_prune.llm.capture import capture_block_inputs
+from sparseswaps_prune.llm.job import JobConfig
+from sparseswaps_prune.llm.layers import find_blocks
+from sparseswaps_prune.llm.models import tiny_model
+from sparseswaps_prune.llm.pipeline import PruneOptions, finalize, prune_model
+from sparseswaps_prune.modules import apply_mask, find_layers
+
+
+def calib(n: int = 4, seqlen: int = 24, seed: int = 0) -> torch.Tensor:
+    return torch.randint(3, 3000, (n, seqlen), generator=torch.Generator().manual_seed(seed))
+
+
+def opts(epochs: int = 3, lr: float = 1e-3, **spec) -> PruneOptions:
+    return PruneOptions(spec=build_spec(max_iters=4, **spec), block_tune_epochs=epochs, block_tune_lr=lr)
+
+
+def pruned_block(holdout: bool = True):
+    """Block 0 of a tiny llama with every layer's Wanda-like mask applied, its inputs and the dense targets."""
+    model = tiny_model("llama", num_hidden_layers=1)
+    _, blocks = find_blocks(model)
+    inputs = {"fit": capture_block_inputs(model, blocks, calib(), batch_size=2)}
+    if holdout:
+        inputs["holdout"] = capture_block_inputs(model, blocks, calib(2, seed=1), batch_size=2)
+    block = blocks[0]
+    targets = {key: part.run_block(block, "cpu") for key, part in inputs.items()}
+    layers = find_layers(block, prefix="model.layers.0")
+    for layer in layers:
+        weight = layer.dense_weight_2d()
+        keep = weight.abs() >= weight.abs().median(dim=1, keepdim=True).values
+        apply_mask(layer, keep)
+    return block, layers, inputs, targets
+
+
+def test_tuning_lowers_the_block_error_and_keeps_pruned_weights_zero():
+    block, layers, inputs, targets = pruned_block()
+    masks = {layer.name: layer.module.weight_mask.clone() for layer in layers}
+    before = {layer.name: layer.module.weight_orig.detach().clone() for layer in layers}
+    report = tune_block(block, layers, inputs, targets, index=0, epochs=5, lr=1e-3, device=torch.device("cpu"))
+    assert report.holdout_after <= report.holdout_before
+    assert report.best_epoch > 0 and report.fit_after < report.fit_before
+    assert report.holdout_after == pytest.approx(relative_error(block, inputs["holdout"], targets["holdout"], "cpu"))
+    for layer in layers:
+        assert torch.equal(layer.module.weight_mask, masks[layer.name])
+        orig = layer.module.weight_orig.detach()
+        pruned = ~masks[layer.name].bool()
+        assert torch.equal(orig[pruned], before[layer.name][pruned])  # Adam never moves a pruned entry
+        assert not layer.module.weight[pruned].any()
+        assert not orig.requires_grad or all(p.requires_grad for p in block.parameters())  # modes restored
+
+
+def test_an_epoch_that_does_not_help_on_held_out_windows_is_not_kept():
+    block, layers, inputs, targets = pruned_block()
+    before = [layer.module.weight_orig.detach().clone() for layer in layers]
+    report = tune_block(block, layers, inputs, targets, index=0, epochs=2, lr=10.0, device=torch.device("cpu"))
+    assert report.best_epoch == 0 and report.holdout_after == report.holdout_before
+    for layer, weight in zip(layers, before, strict=True):
+        assert torch.equal(layer.module.weight_orig, weight)
+
+
+def test_without_held_out_windows_every_epoch_runs():
+    block, layers, inputs, targets = pruned_block(holdout=False)
+    report = tune_block(block, layers, inputs, targets, index=3, epochs=2, lr=1e-3, device=torch.device("cpu"))
+    assert (report.block, report.best_epoch, report.holdout_before, report.holdout_after) == (3, 2, None, None)
+
+
+def test_unpruned_layer_is_named():
+    model = tiny_model("llama", num_hidden_layers=1)
+    _, blocks = find_blocks(model)
+    inputs = {"fit": capture_block_inputs(model, blocks, calib(), batch_size=2)}
+    layers = find_layers(blocks[0], prefix="model.layers.0")
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.q_proj"):
+        tune_block(blocks[0], layers, inputs, inputs, index=0, epochs=1, lr=1e-3, device=torch.device("cpu"))
+
+
+def test_pipeline_tunes_towards_the_dense_model_and_lowers_its_output_error():
+    dense = tiny_model("llama", num_hidden_layers=3)
+    tokens, held = calib(), calib(2, seed=1)
+    plain, tuned = copy.deepcopy(dense), copy.deepcopy(dense)
+    prune_model(plain, tokens, opts(epochs=0), progress=False, holdout_tokens=held)
+    result = prune_model(tuned, tokens, opts(epochs=4), progress=False, holdout_tokens=held)
+    finalize(plain), finalize(tuned)
+    assert [t.block for t in result.block_tunes] == [0, 1, 2]
+    for name, mask in result.masks.items():  # masks unchanged by tuning, zeros exact
+        assert not tuned.get_submodule(name).weight[~mask].any()
+    with torch.no_grad():
+        want = dense(held).logits
+        error = {name: float((m(held).logits - want).pow(2).sum()) for name, m in (("plain", plain), ("tuned", tuned))}
+    assert error["tuned"] < error["plain"]
+    # the targets are the dense model's: block 1's starting error includes what block 0 left
+    assert result.block_tunes[1].holdout_before > 0
+
+
+def test_interrupted_tuned_run_resumes_bit_for_bit(tmp_path, monkeypatch):
+    options, held = opts(epochs=2), None  # without held-out windows every epoch's weights are kept
+    reference = tiny_model("llama", num_hidden_layers=3)
+    ref = prune_model(reference, calib(), options, progress=False, holdout_tokens=held)
+    finalize(reference)
+
+    original, calls = pipeline._prune_block, {"n": 0}
+
+    def crash_on_third_block(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(pipeline, "_prune_block", crash_on_third_block)
+    with pytest.raises(KeyboardInterrupt):
+        prune_model(tiny_model("llama", num_hidden_layers=3), calib(), options, checkpoint_dir=tmp_path,
+                    progress=False, holdout_tokens=held)  # fmt: skip
+    monkeypatch.setattr(pipeline, "_prune_block", original)
+    assert json.loads((tmp_path / "progress.json").read_text())["next_block"] == 2
+    assert (tmp_path / "inputs_fit_dense_0002.pt").is_file()
+    model = tiny_model("llama", num_hidden_layers=3)
+    resumed = prune_model(model, calib(), options, checkpoint_dir=tmp_path, progress=False, holdout_tokens=held)
+    finalize(model)
+    assert any(t.best_epoch > 0 for t in ref.block_tunes)  # the tuned weights are what the checkpoint restores
+    strip = lambda tunes: [dataclasses.replace(t, seconds=0.0) for t in tunes]  # noqa: E731
+    assert strip(resumed.block_tunes) == strip(ref.block_tunes)
+    for (name, a), b in zip(reference.state_dict().items(), model.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+
+
+def test_resume_with_other_tuning_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setattr(pipeline, "_prune_block", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
+    model = tiny_model("llama", num_hidden_layers=2)
+    with pytest.raises(KeyboardInterrupt):
+        prune_model(model, calib(), opts(epochs=2), checkpoint_dir=tmp_path, progress=False)
+    monkeypatch.undo()
+    original = pipeline._prune_block
+    first = {"done": False}
+
+    def one_block(*args, **kwargs):
+        if first["done"]:
+            raise KeyboardInterrupt
+        first["done"] = True
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(pipeline, "_prune_block", one_block)
+    with pytest.raises(KeyboardInterrupt):
+        prune_model(tiny_model("llama", num_hidden_layers=2), calib(), opts(epochs=2), checkpoint_dir=tmp_path,
+                    progress=False)  # fmt: skip
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match="block_tune"):
+        prune_model(tiny_model("llama", num_hidden_layers=2), calib(), opts(epochs=3), checkpoint_dir=tmp_path,
+                    progress=False)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "epochs, lr, match",
+    [(-1, 1e-3, "block_tune_epochs"), (1.5, 1e-3, "block_tune_epochs"), (2, 0.0, "block_tune_lr"),
+     (2, float("nan"), "block_tune_lr"), (True, 1e-3, "block_tune_epochs")],
+)  # fmt: skip
+def test_bad_tuning_options_are_named(epochs, lr, match):
+    with pytest.raises((TypeError, ValueError), match=match):
+        PruneOptions(block_tune_epochs=epochs, block_tune_lr=lr).validate()
+
+
+def test_tuning_with_split_windows_across_ranks_is_refused():
+    config = JobConfig(prune=PruneOptions(block_tune_epochs=2, calib_shards=2), distributed=True)
+    with pytest.raises(ValueError, match="--calib-shards 1"):
+        config.validate()
+    JobConfig(prune=PruneOptions(block_tune_epochs=0, calib_shards=2), distributed=True).validate()
