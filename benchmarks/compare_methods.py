@@ -91,7 +91,7 @@ PRESETS: dict[str, list[str]] = {
         "start=admm,scope=layer,refine=none,weights=start",  # ADMM as published (Boza 2024)
         "start=alps,scope=layer,refine=none,weights=start",  # ALPS as published (Meng et al. 2024)
         "start=sparsegpt,scope=layer,refine=none,weights=obs",  # SparseGPT as published
-        "default",  # the current default: wanda -> sparseswaps T=25 -> ls -> block tune 10
+        "default",  # the current default: wanda -> sparseswaps T=25 -> ls -> block tune 5
         "start=admm",  # admm -> sparseswaps T=25 (mask objective) -> ls
         "start=alps",  # alps -> sparseswaps T=25 -> ls
         "start=alps,refine=none",  # alps -> none -> ls

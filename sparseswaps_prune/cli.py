@@ -66,6 +66,8 @@ def job_config(args: argparse.Namespace) -> JobConfig:
         given = ", ".join(f"--{name.replace('_', '-')}" for name in profile if name != "sparsity_profile")
         raise ValueError(f"{given} set OWL's budgets: add --sparsity-profile owl, or drop them")
     tune = {name: getattr(args, name) for name in _TUNE_FIELDS if getattr(args, name) is not None}
+    if args.recipe in PUBLISHED_RECIPES:  # as published: no block tuning unless asked for
+        tune.setdefault("block_tune_epochs", 0)
     options = PruneOptions(
         spec=spec, include=args.include, exclude=args.exclude, gram_dtype=args.gram_dtype,
         calib_shards=args.calib_shards, row_shards=args.row_shards, **profile, **tune,
@@ -76,6 +78,9 @@ def job_config(args: argparse.Namespace) -> JobConfig:
 
 _PROFILE_FIELDS = ("sparsity_profile", "owl_m", "owl_lambda")
 _TUNE_FIELDS = ("block_tune_epochs", "block_tune_lr")
+PUBLISHED_RECIPES = ("paper", "wanda", "sparsegpt", "admm", "alps")
+"""``--recipe`` names that reproduce a published method: they run without block tuning unless
+``--block-tune-epochs`` is given (``default`` and ``alps-swaps`` tune)."""
 _JOB_FIELDS = (
     "model", "gguf_file", "calib", "nsamples", "seqlen", "holdout", "eval", "eval_windows", "device", "dtype", "seed",
     "batch_size", "blockwise", "distributed",
@@ -280,7 +285,7 @@ def _add_prune_options(p: argparse.ArgumentParser) -> None:
         "--block-tune-epochs", type=int,
         help="tune the kept weights of each pruned block for this many epochs so that it reproduces the dense "
         "model's block output, keeping the epoch with the lowest held-out error (0: off; doubles the captured "
-        f"inputs) (default {BLOCK_TUNE_EPOCHS})",
+        f"inputs; the published recipes paper, wanda, sparsegpt, admm, alps: 0) (default {BLOCK_TUNE_EPOCHS})",
     )  # fmt: skip
     tune.add_argument("--block-tune-lr", type=float, help=f"Adam's learning rate (default {BLOCK_TUNE_LR:g})")
 

@@ -52,7 +52,7 @@ def test_settings_are_build_spec_options(compare, common):
         "max_iters": 5,
     }
     assert compare.parse_setting("") == {}  # DEFAULT_SPEC without block tuning
-    assert compare.parse_setting("default") == {"tune": 10}  # the CLI's default: PruneOptions()
+    assert compare.parse_setting("default") == {"tune": 5}  # the CLI's default: PruneOptions()
     assert compare.parse_setting("refine=dsnot,dsnot_skip=none") == {"refine": "dsnot", "dsnot_skip": None}
     for bad in ("warmstart=wanda", "sparsity=0.5", "guard=maybe", "refine"):
         with pytest.raises(SystemExit):
@@ -128,7 +128,7 @@ def test_admm_alps_preset_on_a_tiny_model(compare, tmp_path, capsys):
         "admm/layer -> none -> start weights",
         "alps/layer -> none -> start weights",
         "sparsegpt/layer -> none -> obs",
-        "wanda -> sparseswaps T=3 -> ls -> block tune 10",
+        "wanda -> sparseswaps T=3 -> ls -> block tune 5",
         "admm -> sparseswaps T=3 -> ls",
         "alps -> sparseswaps T=3 -> ls",
         "alps -> none -> ls",
@@ -174,7 +174,7 @@ def test_rows_of_another_spec_are_not_read(compare, tmp_path, capsys):
 def test_block_tuning_settings_are_pipeline_options(compare, common):
     default = common.setting_options(compare.parse_setting("default"), "60%", 25)
     assert default == PruneOptions()
-    assert common.options_label(default) == "wanda -> sparseswaps T=25 -> ls -> block tune 10"
+    assert common.options_label(default) == "wanda -> sparseswaps T=25 -> ls -> block tune 5"
     tuned = common.setting_options(compare.parse_setting("refine=none,tune=5,tune_lr=0.003"), "60%", 25)
     assert (tuned.block_tune_epochs, tuned.block_tune_lr) == (5, 0.003)
     assert common.options_label(tuned) == "wanda -> none -> ls -> block tune 5 lr 0.003"

@@ -52,6 +52,15 @@ def test_cli_and_python_defaults_build_the_same_job():
     assert ridge.prune.spec == build_spec(ridge="diag") and ridge.prune.spec.weights.damp == 0.1
     recipe = job_config(build_parser().parse_args(["prune", "--out", "x", "--recipe", "alps", "--sparsity", "0.7"]))
     assert recipe.prune.spec == build_spec(RECIPES["alps"], sparsity=0.7)
+    assert recipe.prune.block_tune_epochs == 0  # a published recipe runs as published
+    tuned = job_config(
+        build_parser().parse_args(["prune", "--out", "x", "--recipe", "alps", "--block-tune-epochs", "2"])
+    )
+    assert tuned.prune.block_tune_epochs == 2
+    assert (
+        job_config(build_parser().parse_args(["prune", "--out", "x", "--recipe", "alps-swaps"])).prune.block_tune_epochs
+        == 5
+    )
     shards = job_config(build_parser().parse_args(["prune", "--out", "x", "--calib-shards", "4"]))
     assert shards == JobConfig(prune=PruneOptions(calib_shards=4))
     rows = job_config(build_parser().parse_args(["prune", "--out", "x", "--distributed", "--row-shards", "256"]))
@@ -59,7 +68,7 @@ def test_cli_and_python_defaults_build_the_same_job():
     tune = job_config(build_parser().parse_args(["prune", "--out", "x", "--block-tune-epochs", "3", "--block-tune-lr",
                                                  "0.002"]))  # fmt: skip
     assert tune == JobConfig(prune=PruneOptions(block_tune_epochs=3, block_tune_lr=0.002))
-    assert PruneOptions().block_tune_epochs == 10  # block tuning is part of the default
+    assert PruneOptions().block_tune_epochs == 5  # block tuning is part of the default
     assert main(["prune", "--block-tune-epochs", "-1", "--out", "x"]) == 2
 
 
