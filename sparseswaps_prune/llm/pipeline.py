@@ -77,7 +77,9 @@ class PruneOptions:
             (:func:`~sparseswaps_prune.llm.block_tune.tune_block`; the epoch with the lowest error on the held-out
             windows is kept, 0 included); 0: no block tuning. The pipeline then carries the dense model's block inputs
             beside the pruned model's (twice the captured inputs in memory and in checkpoints). With
-            ``distributed=True`` every rank tunes the block on all windows (``calib_shards=1`` only).
+            ``distributed=True`` every rank tunes the block on all windows (``calib_shards=1`` only) and keeps rank 0's
+            weights; those equal one process's only where the ranks' backward passes round as one process does (the
+            same number of threads per process).
         block_tune_lr: Adam's learning rate for block tuning (> 0).
     """
 
@@ -537,6 +539,14 @@ def _process_block(
                 block, layers, streams, targets, index=index, epochs=options.block_tune_epochs,
                 lr=options.block_tune_lr, device=device,
             )  # fmt: skip
+            if ranks is not None:  # every rank tuned on all windows; rank 0's weights are the ones every rank keeps
+                tuned, weights = ranks.broadcast(
+                    (tuned, [layer.module.weight_orig.detach().cpu() for layer in layers]) if ranks.is_main else None,
+                    src=0,
+                )
+                with torch.no_grad():
+                    for layer, weight in zip(layers, weights, strict=True):
+                        layer.module.weight_orig.copy_(weight)
             result.block_tunes.append(tuned)
         inputs = {key: part.run_block(block, device) for key, part in streams.items()}
         inputs |= {dense_key(key): target for key, target in targets.items()}

@@ -1113,8 +1113,9 @@ def prune_checkpoint(
             if state_dir is not None:  # the block's weights are in the shards: its block file holds its reports only
                 if writer is not None:
                     writer.sync()
-                tune = asdict(step.block_tunes[0]) if step.block_tunes else None
-                payload = {"reports": [asdict(r) for r in reports], "tune": tune} if ranks.is_main else None
+                payload = {"reports": [asdict(r) for r in reports]}
+                payload |= {"tune": asdict(step.block_tunes[0])} if step.block_tunes else {}
+                payload = payload if ranks.is_main else None
                 checkpoint.commit_block(state_dir, fingerprint, index, inputs, payload, checkpoint_ranks)
             per_block.append(
                 {

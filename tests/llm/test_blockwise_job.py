@@ -117,7 +117,8 @@ def test_torchrun_blockwise_job_equals_one_process(saved_tiny, tmp_path):
     """``torchrun --nproc-per-node=2 ... prune --blockwise --distributed`` (gloo) writes the files and layer losses
     of one ``--blockwise`` process with the same ``--calib-shards``; rank 0 alone reports and nothing is left over."""
     args = ["prune", "--model", str(saved_tiny), "--blockwise", "--eval", "none", "--nsamples", "2", "--holdout", "2",
-            "--batch-size", "1", "--calib-shards", "2", "--seqlen", "16", "--max-iters", "2", "--quiet"]  # fmt: skip
+            "--batch-size", "1", "--calib-shards", "2", "--seqlen", "16", "--max-iters", "2",
+            "--block-tune-epochs", "0", "--quiet"]  # fmt: skip
     env = os.environ | {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     cli = [sys.executable, "-m", "sparseswaps_prune.cli"]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",

@@ -23,7 +23,8 @@ WRITES_PER_BLOCK = 4  # block file, fit inputs, held-out inputs, progress marker
 
 
 def options(**spec) -> PruneOptions:
-    return PruneOptions(spec=build_spec(**({"max_iters": 2} | spec)))
+    # untuned: WRITES_PER_BLOCK counts the pruned model's streams (block tuning's are in test_block_tune.py)
+    return PruneOptions(spec=build_spec(**({"max_iters": 2} | spec)), block_tune_epochs=0)
 
 
 def tokens(n: int, seed: int) -> torch.Tensor:

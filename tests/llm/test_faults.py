@@ -37,6 +37,7 @@ from sparseswaps_prune.llm.pipeline import PruneOptions, finalize, prune_model
 SMALL = {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2, "num_key_value_heads": 1}
 N_BLOCKS = 2
 CHECKPOINT_WRITES = N_BLOCKS * 4  # per block: its file, fit inputs, held-out inputs, the progress marker
+JOB_CHECKPOINT_WRITES = N_BLOCKS * 6  # the job tunes blocks (the default): also the dense model's fit, held-out inputs
 # The swap search does not matter here; numba's OpenMP workers spin after each search and slow every later torch
 # call of the process on a busy machine (OMP_WAIT_POLICY=passive avoids it), so these runs use the torch search.
 BACKEND = "torch"
@@ -101,7 +102,7 @@ def run_pipeline(state: Path | None):
     prune_model(
         model,
         tokens(4, 0),
-        PruneOptions(spec=build_spec(max_iters=1, backend=BACKEND)),
+        PruneOptions(spec=build_spec(max_iters=1, backend=BACKEND), block_tune_epochs=0),
         checkpoint_dir=state,
         batch_size=4,
         progress=False,
@@ -229,7 +230,7 @@ def job_reference(model_dir, tmp_path_factory):
     names = [str(Path(p).relative_to(out)) for p in written]
     state, staging = f"{STATE_DIR}/", f"{STAGING_DIR}/"
     assert names[0] == f"{state}dense.json" and names[-1] == "report.json"
-    assert len([n for n in names if n.startswith(state)]) == 1 + CHECKPOINT_WRITES
+    assert len([n for n in names if n.startswith(state)]) == 1 + JOB_CHECKPOINT_WRITES
     assert f"{staging}config_sparseswaps.json" in names
     return reference | {"dir": out}
 
