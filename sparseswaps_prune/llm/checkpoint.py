@@ -50,8 +50,16 @@ logger = logging.getLogger(__name__)
 
 FORMAT = 2
 PROGRESS = "progress.json"
-# The pipeline's token sets (pipeline.STREAMS) and, with block tuning, the dense model's (pipeline.dense_key)
-INPUT_KEYS = ("fit", "holdout", "fit_dense", "holdout_dense")
+STREAMS = ("fit", "holdout")  # the pipeline's token sets: calibration and held-out windows
+
+
+def dense_key(key: str) -> str:
+    """The key of the dense model's inputs beside the pruned model's ``key`` (``"fit"`` -> ``"fit_dense"``), carried
+    with block tuning."""
+    return f"{key}_dense"
+
+
+INPUT_KEYS = STREAMS + tuple(dense_key(key) for key in STREAMS)  # every key a checkpoint may hold inputs under
 # Every name this module writes (and the temporary files of their atomic writes); nothing else in the directory
 # (e.g. the job's dense.json) is ever removed.
 _OWN_FILE = re.compile(r"^(block_\d+\.pt|inputs_\w+\.pt|\.(block_|inputs_|progress\.json).*\.tmp)$")

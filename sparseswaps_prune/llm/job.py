@@ -443,9 +443,9 @@ def _run_blockwise(config: JobConfig, out: Path, start: float, progress: bool) -
         "layers": layer_rows(layers),
         "totals": totals(layers),
         "perplexity": {"dense": None, "warmstart": None, "refined": None},
-        "block_tunes": result.report["block_tunes"],
+        "block_tunes": [asdict(t) for t in result.block_tunes],
         "seconds": {"prune": result.seconds, "wall": time.perf_counter() - start},
-        "memory": {k: v for k, v in result.report.items() if k != "block_tunes"},
+        "memory": result.report,
     }
     publish(report)
     _remove_leftovers(out)

@@ -34,6 +34,7 @@ from sparseswaps_prune.llm import checkpoint, offload
 from sparseswaps_prune.llm.block_tune import BLOCK_TUNE_EPOCHS, BLOCK_TUNE_LR, BlockTuneReport, check_tune, tune_block
 from sparseswaps_prune.llm.budgets import owl_block_sparsities
 from sparseswaps_prune.llm.capture import BlockInputs, capture_block_inputs
+from sparseswaps_prune.llm.checkpoint import STREAMS, dense_key
 from sparseswaps_prune.llm.distributed import Ranks, WindowShards, plan_work, sum_shard_grams
 from sparseswaps_prune.llm.layers import find_blocks, group_by_input
 from sparseswaps_prune.modules import PrunableLayer, apply_mask, find_layers, input_hooks, replace_weight_mask
@@ -403,21 +404,13 @@ def capture_shards(
     """Capture the inputs of block 0 for this rank's windows only (``shards[key].rows`` of ``[n, seqlen]`` tokens;
     all of them with one shard). Each batch is captured on its own, so the rows are those a capture of all windows
     would give. With ``dense`` (block tuning) the same inputs also start the dense model's streams, under
-    :func:`dense_key` (``"fit_dense"``, ``"holdout_dense"``)."""
+    :func:`~sparseswaps_prune.llm.checkpoint.dense_key` (``"fit_dense"``, ``"holdout_dense"``)."""
     tokens = {"fit": calib_tokens, "holdout": holdout_tokens}
     inputs = {
         key: capture_block_inputs(model, blocks, tokens[key][split.rows], batch_size=batch_size)
         for key, split in shards.items()
     }
     return inputs | ({dense_key(key): part for key, part in inputs.items()} if dense else {})
-
-
-STREAMS = ("fit", "holdout")
-
-
-def dense_key(key: str) -> str:
-    """The key of the dense model's inputs beside the pruned model's ``key`` (``"fit"`` -> ``"fit_dense"``)."""
-    return f"{key}_dense"
 
 
 def check_layers(model: nn.Module, options: PruneOptions) -> list[PrunableLayer]:
@@ -522,7 +515,7 @@ def _process_block(
     shard, all windows). Returns the block's layers, their reports and the next block's inputs (this rank's windows
     only).
 
-    With ``options.block_tune_epochs``, ``inputs`` also hold the dense model's inputs of the block (:func:`dense_key`):
+    With ``options.block_tune_epochs``, ``inputs`` also hold the dense model's inputs of the block (``dense_key``):
     the dense block's outputs on them are the targets of :func:`~sparseswaps_prune.llm.block_tune.tune_block`, which
     runs after the layers are pruned (its report goes to ``result.block_tunes``), and the next dense inputs."""
     dispatched = offload.is_dispatched(blocks[index])

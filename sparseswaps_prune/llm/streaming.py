@@ -774,12 +774,14 @@ class StreamResult:
             call pruned, ``seconds`` (load, prune, write, record), ``rss_bytes`` after it was dropped and
             ``peak_rss_bytes`` up to then.
         seconds: wall time of the call.
+        block_tunes: one report per tuned block (``options.block_tune_epochs``), resumed blocks' included.
     """
 
     layers: list[LayerReport] = field(default_factory=list)
     files: list[str] = field(default_factory=list)
     report: dict[str, Any] = field(default_factory=dict)
     seconds: float = 0.0
+    block_tunes: list[BlockTuneReport] = field(default_factory=list)
 
 
 def _set_tensor(model: nn.Module, name: str, value: torch.Tensor) -> None:
@@ -1161,6 +1163,5 @@ def prune_checkpoint(
         "world_size": ranks.world_size,
         "first_block": first_block,
         "blocks": per_block,
-        "block_tunes": [asdict(t) for t in tunes],
     }
-    return StreamResult(layers=layers, files=files, report=report, seconds=seconds)
+    return StreamResult(layers=layers, files=files, report=report, seconds=seconds, block_tunes=tunes)
