@@ -567,6 +567,12 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--nm", default=None, help="N:M pattern such as 2:4 (instead of --sparsity)")
     parser.add_argument("--batch-size", type=int, default=1, help="calibration windows per block forward")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--block-tune-epochs",
+        type=int,
+        default=0,
+        help="block tuning epochs after each block (default 0: this benchmark times the swaps, not the tuning)",
+    )
     parser.add_argument("--json", default=None, help="write the rows (with per-block and per-layer figures) here")
     parser.add_argument("--memory-plan", choices=tuple(LLAMA_CONFIGS), default=None, help="print it and exit")
     args = parser.parse_args(argv)
@@ -602,7 +608,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     print(
         f"calibration: {nsamples} x {seqlen} {args.calib} tokens (seed {args.seed}), batch {args.batch_size}; "
         f"{args.start} start, {args.nm or f'{sparsity:.0%} per row'}, {args.objective} objective, "
-        f"search backend {backend}"
+        f"search backend {backend}, block tuning {args.block_tune_epochs} epochs"
     )
     if n_blocks < full_blocks:
         print(
@@ -626,8 +632,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         spec = build_spec(
             start=args.start, sparsity=sparsity, nm=nm, max_iters=iters, objective=args.objective, **weights
         )
-        options = PruneOptions(spec=spec)
+        options = PruneOptions(spec=spec, block_tune_epochs=args.block_tune_epochs)
         rows.append(run_once(model, tokens, options, device, args.batch_size, full_blocks))
+        print(f"  T={iters}: prune_model {rows[-1]['prune_seconds']:.2f} s", flush=True)
     add_per_iteration(rows)
 
     print(

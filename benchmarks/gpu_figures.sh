@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# The GPU figures of BENCHMARKS.md ("GPU"), in one go, on a CUDA machine with torch/triton/transformers installed
+# and this checkout on PYTHONPATH. Each step is bounded by `timeout` so that one slow step leaves the others' output.
+#   bash benchmarks/gpu_figures.sh [OUTDIR] [STAGE]      # STAGE: short (default: all), pipeline, or full (all 32 blocks of 8B)
+set -u -o pipefail
+out=${1:-gpu_out}; stage=${2:-short}; mkdir -p "$out"
+export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1
+step() { local secs=$1; shift; echo "### $(date -u +%T) $*"; timeout "$secs" "$@"; echo "### rc=$?"; }
+if [ "$stage" = short ]; then
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+  python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"
+  step 120 python3 -m pytest -q -p no:cacheprovider tests/core/test_triton.py
+  step 120 python3 benchmarks/swap_search.py --device cuda --widths 576 1536 4096 14336 --rows 64
+  step 150 python3 benchmarks/refit_swaps.py --device cuda --widths 576 1536 4096 14336
+fi
+if [ "$stage" = short ] || [ "$stage" = pipeline ]; then
+  step 300 python3 benchmarks/llm_pipeline.py --model llama-3.1-8b --blocks 2 --iters 0 1 5 25 100 --device cuda \
+    --json "$out/llm_pipeline_8b_2blocks.json"
+  step 240 python3 benchmarks/llm_pipeline.py --model llama-3.1-8b --blocks 2 --iters 25 --block-tune-epochs 5 \
+    --device cuda --json "$out/llm_pipeline_8b_2blocks_tuned.json"
+elif [ "$stage" = full ]; then
+  step 570 python3 benchmarks/llm_pipeline.py --model llama-3.1-8b --iters 100 --device cuda \
+    --json "$out/llm_pipeline_8b_full.json"
+fi
