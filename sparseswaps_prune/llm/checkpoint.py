@@ -367,10 +367,14 @@ def save_block(
                 if r.updated_rows is not None or tune is not None
             },
             "dense": {n: result.dense_weights[n] for n in names if n in result.dense_weights},
-            "reports": [asdict(r) for r in reports],
-            "tune": None if tune is None else asdict(tune),
-        }
+        } | reports_payload(reports, tune)
     commit_block(state, current, index, inputs, payload, ranks)
+
+
+def reports_payload(reports: list[Any], tune: Any = None) -> dict[str, Any]:
+    """The reports part of a block file, as plain dicts: the block's layer reports (``LayerReport``) and its block
+    tuning report (``BlockTuneReport``; None: the block was not tuned). ``pipeline.saved_reports`` reads it back."""
+    return {"reports": [asdict(r) for r in reports], "tune": None if tune is None else asdict(tune)}
 
 
 def commit_block(

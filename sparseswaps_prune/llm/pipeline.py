@@ -657,11 +657,18 @@ def _restore(
             apply_mask(layer, saved["masks"][layer.name], saved["weights"].get(layer.name))
         result.masks.update(saved["masks"])
         result.warmstart_masks.update(saved["warmstart"])
-        if saved.get("tune") is not None:
-            result.block_tunes.append(BlockTuneReport(**saved["tune"]))
         if keep_dense:
             result.dense_weights.update(saved["dense"])
-        result.layers.extend(LayerReport(**r) for r in saved["reports"])
+        reports, tunes = saved_reports(saved)
+        result.layers.extend(reports)
+        result.block_tunes.extend(tunes)
+
+
+def saved_reports(saved: dict[str, Any]) -> tuple[list[LayerReport], list[BlockTuneReport]]:
+    """The layer reports of a checkpoint's block file (:func:`~sparseswaps_prune.llm.checkpoint.reports_payload`)
+    and its block tuning report as a list (empty: not tuned; block files written before tuning have no entry)."""
+    tune = saved.get("tune")
+    return [LayerReport(**r) for r in saved["reports"]], [] if tune is None else [BlockTuneReport(**tune)]
 
 
 @contextlib.contextmanager

@@ -59,7 +59,7 @@ import struct
 import sys
 import time
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -1084,9 +1084,9 @@ def prune_checkpoint(
             inputs = resumed.inputs
             seconds_capture = time.perf_counter() - start
             for _, saved in resumed.blocks():
-                layers.extend(LayerReport(**report) for report in saved["reports"])
-                if saved.get("tune") is not None:
-                    tunes.append(BlockTuneReport(**saved["tune"]))
+                reports, block_tunes = pipeline.saved_reports(saved)
+                layers.extend(reports)
+                tunes.extend(block_tunes)
         per_block = []
         bar = tqdm(
             range(first_block, len(blocks)), desc="blocks", disable=not progress, initial=first_block, total=len(blocks)
@@ -1115,9 +1115,8 @@ def prune_checkpoint(
             if state_dir is not None:  # the block's weights are in the shards: its block file holds its reports only
                 if writer is not None:
                     writer.sync()
-                payload = {"reports": [asdict(r) for r in reports]}
-                payload |= {"tune": asdict(step.block_tunes[0])} if step.block_tunes else {}
-                payload = payload if ranks.is_main else None
+                tune = step.block_tunes[0] if step.block_tunes else None
+                payload = checkpoint.reports_payload(reports, tune) if ranks.is_main else None
                 checkpoint.commit_block(state_dir, fingerprint, index, inputs, payload, checkpoint_ranks)
             per_block.append(
                 {

@@ -19,6 +19,7 @@ from sparseswaps_prune.llm.layers import find_blocks
 from sparseswaps_prune.llm.models import tiny_model
 from sparseswaps_prune.llm.pipeline import PruneOptions, finalize, prune_model
 from sparseswaps_prune.modules import apply_mask, find_layers
+from tests.llm.helpers import crash_on_call
 
 
 def calib(n: int = 4, seqlen: int = 24, seed: int = 0) -> torch.Tensor:
@@ -105,25 +106,15 @@ def test_pipeline_tunes_towards_the_dense_model_and_lowers_its_output_error():
     assert result.block_tunes[1].holdout_before > 0
 
 
-def test_interrupted_tuned_run_resumes_bit_for_bit(tmp_path, monkeypatch):
+def test_interrupted_tuned_run_resumes_bit_for_bit(tmp_path):
     options, held = opts(epochs=2), None  # without held-out windows every epoch's weights are kept
     reference = tiny_model("llama", num_hidden_layers=3)
     ref = prune_model(reference, calib(), options, progress=False, holdout_tokens=held)
     finalize(reference)
 
-    original, calls = pipeline._prune_block, {"n": 0}
-
-    def crash_on_third_block(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise KeyboardInterrupt
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(pipeline, "_prune_block", crash_on_third_block)
-    with pytest.raises(KeyboardInterrupt):
+    with crash_on_call(pipeline, "_prune_block", 3):
         prune_model(tiny_model("llama", num_hidden_layers=3), calib(), options, checkpoint_dir=tmp_path,
                     progress=False, holdout_tokens=held)  # fmt: skip
-    monkeypatch.setattr(pipeline, "_prune_block", original)
     assert json.loads((tmp_path / "progress.json").read_text())["next_block"] == 2
     assert (tmp_path / "inputs_fit_dense_0002.pt").is_file()
     model = tiny_model("llama", num_hidden_layers=3)
@@ -136,26 +127,13 @@ def test_interrupted_tuned_run_resumes_bit_for_bit(tmp_path, monkeypatch):
         assert torch.equal(a, b), name
 
 
-def test_resume_with_other_tuning_is_refused(tmp_path, monkeypatch):
-    monkeypatch.setattr(pipeline, "_prune_block", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
-    model = tiny_model("llama", num_hidden_layers=2)
-    with pytest.raises(KeyboardInterrupt):
-        prune_model(model, calib(), opts(epochs=2), checkpoint_dir=tmp_path, progress=False)
-    monkeypatch.undo()
-    original = pipeline._prune_block
-    first = {"done": False}
-
-    def one_block(*args, **kwargs):
-        if first["done"]:
-            raise KeyboardInterrupt
-        first["done"] = True
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(pipeline, "_prune_block", one_block)
-    with pytest.raises(KeyboardInterrupt):
+def test_resume_with_other_tuning_is_refused(tmp_path):
+    with crash_on_call(pipeline, "_prune_block", 1):
         prune_model(tiny_model("llama", num_hidden_layers=2), calib(), opts(epochs=2), checkpoint_dir=tmp_path,
                     progress=False)  # fmt: skip
-    monkeypatch.undo()
+    with crash_on_call(pipeline, "_prune_block", 2):
+        prune_model(tiny_model("llama", num_hidden_layers=2), calib(), opts(epochs=2), checkpoint_dir=tmp_path,
+                    progress=False)  # fmt: skip
     with pytest.raises(ValueError, match="block_tune"):
         prune_model(tiny_model("llama", num_hidden_layers=2), calib(), opts(epochs=3), checkpoint_dir=tmp_path,
                     progress=False)  # fmt: skip

@@ -18,6 +18,7 @@ from sparseswaps_prune.llm.layers import find_blocks
 from sparseswaps_prune.llm.models import tiny_model
 from sparseswaps_prune.llm.pipeline import PruneOptions, block_options, finalize, prune_model
 from sparseswaps_prune.llm.streaming import prune_checkpoint
+from tests.llm.helpers import crash_on_call
 
 N_BLOCKS = 4
 
@@ -90,24 +91,14 @@ def test_uniform_runs_no_pre_pass_and_zero_lambda_equals_uniform(monkeypatch):
         assert torch.equal(a, b), name
 
 
-def test_resume_recomputes_the_same_budgets(tmp_path, monkeypatch):
+def test_resume_recomputes_the_same_budgets(tmp_path):
     options = owl(weights="ls")
     reference = model()
     expected = prune_model(reference, calib(), options, batch_size=2, progress=False)
     finalize(reference)
 
-    original, calls = pipeline._prune_block, {"n": 0}
-
-    def crash_on_third_block(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise KeyboardInterrupt
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(pipeline, "_prune_block", crash_on_third_block)
-    with pytest.raises(KeyboardInterrupt):
+    with crash_on_call(pipeline, "_prune_block", 3):
         prune_model(model(), calib(), options, batch_size=2, checkpoint_dir=tmp_path, progress=False)
-    monkeypatch.setattr(pipeline, "_prune_block", original)
     assert json.loads((tmp_path / "progress.json").read_text())["next_block"] == 2
 
     fresh = model()  # a restarted process reloads the dense model

@@ -17,6 +17,7 @@ from sparseswaps_prune.llm.checkpoint import CheckpointMismatch, to_plain
 from sparseswaps_prune.llm.job import STATE_DIR, JobConfig, run_job
 from sparseswaps_prune.llm.models import tiny_model
 from sparseswaps_prune.llm.pipeline import PruneOptions, finalize, prune_model
+from tests.llm.helpers import crash_on_call
 
 N_BLOCKS = 2
 WRITES_PER_BLOCK = 4  # block file, fit inputs, held-out inputs, progress marker
@@ -134,19 +135,9 @@ def test_crash_while_removing_superseded_inputs(tmp_path, monkeypatch, reference
     assert not (tmp_path / "inputs_fit_0001.pt").exists()
 
 
-def test_crash_inside_a_block_then_resume(tmp_path, monkeypatch, reference):
-    original, calls = pipeline._prune_block, {"n": 0}
-
-    def crash_on_second_block(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == 2:
-            raise Crash
-        return original(*args, **kwargs)
-
-    with monkeypatch.context() as patch:
-        patch.setattr(pipeline, "_prune_block", crash_on_second_block)
-        with pytest.raises(Crash):
-            run(tmp_path)
+def test_crash_inside_a_block_then_resume(tmp_path, reference):
+    with crash_on_call(pipeline, "_prune_block", 2, Crash):
+        run(tmp_path)
     model, result = run(tmp_path)
     assert_identical(model, result, reference)
 
@@ -219,9 +210,7 @@ def test_to_plain_handles_nested_dataclasses_and_tuples():
     assert json.loads(json.dumps(plain)) == plain
 
 
-def test_job_refuses_another_model_or_dtype_and_rekeys_the_dense_perplexity(
-    saved_tiny, tiny_tokenizer, tmp_path, monkeypatch
-):
+def test_job_refuses_another_model_or_dtype_and_rekeys_the_dense_perplexity(saved_tiny, tiny_tokenizer, tmp_path):
     from sparseswaps_prune.llm.data import load_eval_tokens
     from sparseswaps_prune.llm.evaluate import perplexity
     from sparseswaps_prune.llm.models import load_model
@@ -232,18 +221,8 @@ def test_job_refuses_another_model_or_dtype_and_rekeys_the_dense_perplexity(
     base = {"model": str(saved_tiny), "prune": options(), "nsamples": 2, "seqlen": 16, "holdout": 2, "batch_size": 2,
             "eval_warmstart": False}  # fmt: skip
     out = tmp_path / "out"
-    original, calls = pipeline._prune_block, {"n": 0}
-
-    def crash_on_second_block(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == 2:
-            raise Crash
-        return original(*args, **kwargs)
-
-    with monkeypatch.context() as patch:
-        patch.setattr(pipeline, "_prune_block", crash_on_second_block)
-        with pytest.raises(Crash):
-            run_job(JobConfig(**base, eval_windows=2), out, progress=False)
+    with crash_on_call(pipeline, "_prune_block", 2, Crash):
+        run_job(JobConfig(**base, eval_windows=2), out, progress=False)
     dense_two = json.loads((out / STATE_DIR / "dense.json").read_text())["perplexity"]
 
     with pytest.raises(ValueError, match=r"another model \(weights differ\).*delete .*--out"):

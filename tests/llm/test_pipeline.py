@@ -16,6 +16,7 @@ from sparseswaps_prune.llm.job import JobConfig, run_job, summary
 from sparseswaps_prune.llm.models import TINY_ARCHS, tiny_model
 from sparseswaps_prune.llm.pipeline import PruneOptions, finalize, masks_swapped, prune_model
 from sparseswaps_prune.modules import PrunableLayer
+from tests.llm.helpers import crash_on_call
 
 
 def opts(include=None, exclude=None, **spec_options) -> PruneOptions:
@@ -69,29 +70,18 @@ def test_masks_swapped_restores_refined_masks():
 
 
 @pytest.mark.parametrize("weights", ["keep", "ls"])
-def test_resume_after_interruption_gives_identical_weights(tmp_path, monkeypatch, weights):
+def test_resume_after_interruption_gives_identical_weights(tmp_path, weights):
     options = opts(max_iters=8, weights=weights)
     held = calib(2, seed=1)
     reference = tiny_model("llama", num_hidden_layers=3)
     ref_result = prune_model(reference, calib(), options, progress=False, holdout_tokens=held, keep_dense=True)
     finalize(reference)
 
-    original = pipeline._prune_block
-    calls = {"n": 0}
-
-    def crash_on_second_block(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == 2:
-            raise KeyboardInterrupt
-        return original(*args, **kwargs)
-
     model = tiny_model("llama", num_hidden_layers=3)
-    monkeypatch.setattr(pipeline, "_prune_block", crash_on_second_block)
-    with pytest.raises(KeyboardInterrupt):
+    with crash_on_call(pipeline, "_prune_block", 2):
         prune_model(
             model, calib(), options, checkpoint_dir=tmp_path, progress=False, holdout_tokens=held, keep_dense=True
         )
-    monkeypatch.setattr(pipeline, "_prune_block", original)
     assert json.loads((tmp_path / "progress.json").read_text())["next_block"] == 1
 
     fresh = tiny_model("llama", num_hidden_layers=3)  # a restarted process reloads the dense model

@@ -1,0 +1,31 @@
+"""Test helpers shared by the LLM tests (imported as ``tests.llm.helpers``)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from types import ModuleType
+
+import pytest
+
+
+@contextlib.contextmanager
+def crash_on_call(
+    module: ModuleType, name: str, number: int, error: type[BaseException] = KeyboardInterrupt
+) -> Iterator[None]:
+    """Within the ``with`` block, the ``number``-th call (1-based) of ``module.name`` raises ``error`` (a stand-in
+    for a kill or Ctrl-C) and the calls before it run the original. The block must raise ``error``
+    (``pytest.raises``); ``module.name`` is restored on exit."""
+    original, calls = getattr(module, name), 0
+
+    def crashing(*args, **kwargs):
+        nonlocal calls
+        calls += 1
+        if calls == number:
+            raise error
+        return original(*args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(module, name, crashing)
+        with pytest.raises(error):
+            yield
