@@ -11,7 +11,7 @@ time. Rows are saved as JSON in ``--out`` as they finish, so an interrupted run 
 
     python benchmarks/compare_methods.py --out /tmp/compare [--patterns 50% 60% 70% 2:4]
         [--starts magnitude wanda ria sparsegpt] [--refiners none dsnot sparseswaps] [--weights keep]
-        [--max-iters 25] [--extra "start=sparsegpt,scope=layer,refine=none,weights=obs" ...]
+        [--max-iters 10] [--extra "start=sparsegpt,scope=layer,refine=none,weights=obs" ...]
         [--preset admm-alps] [--report-only] [--plot compare.png]
 
 Finished rows are read back without loading the model, so re-running with the same arguments prints the
@@ -76,6 +76,7 @@ from common import options_label, parse_setting, setting_options
 
 from sparseswaps_prune.atomic import atomic_write, save_json
 from sparseswaps_prune.core.spec import (
+    DEFAULT_SPEC,
     REFINES,
     STARTS,
     WEIGHTS,
@@ -91,9 +92,9 @@ PRESETS: dict[str, list[str]] = {
         "start=admm,scope=layer,refine=none,weights=start",  # ADMM as published (Boza 2024)
         "start=alps,scope=layer,refine=none,weights=start",  # ALPS as published (Meng et al. 2024)
         "start=sparsegpt,scope=layer,refine=none,weights=obs",  # SparseGPT as published
-        "default",  # the current default: wanda -> sparseswaps T=25 -> ls -> block tune 5
-        "start=admm",  # admm -> sparseswaps T=25 (mask objective) -> ls
-        "start=alps",  # alps -> sparseswaps T=25 -> ls
+        "default",  # the current default: wanda -> sparseswaps T=10 -> ls -> block tune 10
+        "start=admm",  # admm -> sparseswaps T=10 (mask objective) -> ls
+        "start=alps",  # alps -> sparseswaps T=10 -> ls
         "start=alps,refine=none",  # alps -> none -> ls
     ],
 }
@@ -200,7 +201,12 @@ def main(
     parser.add_argument("--weights", choices=WEIGHTS, default="keep", help="weight stage of the matrix rows")
     parser.add_argument("--extra", nargs="*", default=[], help="extra settings: build_spec options, e.g. start=admm")
     parser.add_argument("--preset", nargs="*", choices=tuple(PRESETS), default=[], help="named lists of settings")
-    parser.add_argument("--max-iters", type=int, default=25, help="SparseSwaps T unless a setting gives max_iters")
+    parser.add_argument(
+        "--max-iters",
+        type=int,
+        default=DEFAULT_SPEC.refine.max_iters,
+        help=f"SparseSwaps T unless a setting gives max_iters (default {DEFAULT_SPEC.refine.max_iters}, the default's)",
+    )
     parser.add_argument("--nsamples", type=int, default=16)
     parser.add_argument("--holdout", type=int, default=8, help="held-out calibration windows")
     parser.add_argument("--seqlen", type=int, default=256)

@@ -37,7 +37,7 @@ class SparseSwapsMethod(prune.BasePruningMethod):
             (``GramAccumulator(track_sum=True).feature_stats(n_samples=...)``); needed by ``refine="dsnot"``
             only.
         spec: the per-layer :class:`~sparseswaps_prune.core.spec.PruneSpec` (default
-            :data:`~sparseswaps_prune.core.spec.DEFAULT_SPEC`: Wanda, SparseSwaps T=25, least-squares re-fit).
+            :data:`~sparseswaps_prune.core.spec.DEFAULT_SPEC`: Wanda, SparseSwaps T=10, least-squares re-fit).
         **options: flat options changing ``spec`` (:func:`~sparseswaps_prune.core.spec.build_spec`): ``nm``,
             ``scope``, ``start``, ``refine``, ``max_iters``, ``eps``, ``objective``, ``search_dtype``, ``backend``,
             ``weights`` (``"keep"`` for the paper's mask-only SparseSwaps), ``damp``, ``guard``, ``ridge``,

@@ -165,7 +165,7 @@ class SparseSwapsPruning(pl.Callback):
             budget of ``spec``; default: the spec's, 0.6 for the default spec).
         nm: ``(n, m)``: keep ``n`` of every ``m`` consecutive inputs of each row (e.g. ``(2, 4)``).
         spec: how each layer is pruned (:class:`~sparseswaps_prune.core.spec.PruneSpec`; default
-            :data:`~sparseswaps_prune.core.spec.DEFAULT_SPEC`: Wanda start, SparseSwaps T=25, least-squares
+            :data:`~sparseswaps_prune.core.spec.DEFAULT_SPEC`: Wanda start, SparseSwaps T=10, least-squares
             re-fit of the kept weights, which land in ``weight_orig`` so training continues from them). Build
             others with :func:`~sparseswaps_prune.core.spec.build_spec`, or change it with ``**options``.
         calibration_batches: batches taken from the calibration dataloader (>= 1).

@@ -188,6 +188,8 @@ class SwapRefine:
 
     Attributes:
         max_iters: iterations ``T_max`` per layer, each applying at most one move per row (0: the start mask).
+            The default, 10, is what pays within the main job's budget when block tuning follows (RESULTS.md);
+            the loss keeps falling beyond it (T=25, 100), at about 6 s per iteration on the default model's CPU.
         eps: a move is applied only if it lowers the loss by more than ``eps`` (>= 0).
         objective: ``"mask"`` (the loss with the kept weights as they are, the paper's) or ``"refit"`` (the loss
             after re-fitting the kept weights; needs ``weights=LeastSquares(solver="direct")``, whose ridge it uses,
@@ -201,7 +203,7 @@ class SwapRefine:
     """
 
     kind: ClassVar[str] = "sparseswaps"
-    max_iters: int = 25
+    max_iters: int = 10
     eps: float = 0.0
     objective: str = "mask"
     search_dtype: str = "float32"
@@ -532,7 +534,7 @@ class PruneSpec:
         return cls(budget=Budget(**budget), **stages)
 
     def describe(self) -> str:
-        """One line naming every stage, e.g. ``60% per row: wanda -> sparseswaps T=25 (mask) -> ls (diag ridge
+        """One line naming every stage, e.g. ``60% per row: wanda -> sparseswaps T=10 (mask) -> ls (diag ridge
         0.1)``."""
         budget = self.budget
         head = f"{budget.nm[0]}:{budget.nm[1]}" if budget.nm else f"{budget.sparsity:.0%} per {budget.scope}"
@@ -548,9 +550,9 @@ class PruneSpec:
 
 
 DEFAULT_SPEC = PruneSpec()
-"""The default: 60% per row, Wanda start, SparseSwaps T=25 (mask objective), least-squares re-fit on
-``G + 0.1 * diag(G)`` (ADMM's ridge) — the best combination measured within the main job's 10-minute CPU budget
-(RESULTS.md)."""
+"""The default: 60% per row, Wanda start, SparseSwaps T=10 (mask objective), least-squares re-fit on
+``G + 0.1 * diag(G)`` (ADMM's ridge). With the pipeline's block tuning after it (``PruneOptions``), the best
+combination measured within the main job's 10-minute CPU budget (RESULTS.md)."""
 
 
 RECIPES: dict[str, PruneSpec] = {
@@ -559,7 +561,9 @@ RECIPES: dict[str, PruneSpec] = {
     # lowers the row's loss after its exact diag-ridge re-fit), then that re-fit: the lowest held-out layer loss
     # measured (RESULTS.md), at several times the default's cost.
     "alps-swaps": PruneSpec(
-        budget=Budget(sparsity=0.6, scope="layer"), start=ALPSStart(), refine=SwapRefine(objective="refit", scope="row")
+        budget=Budget(sparsity=0.6, scope="layer"),
+        start=ALPSStart(),
+        refine=SwapRefine(max_iters=25, objective="refit", scope="row"),
     ),
     "paper": PruneSpec(refine=SwapRefine(max_iters=100), weights=KeepWeights()),  # arXiv 2512.10922: masks only
     "wanda": PruneSpec(refine=NoRefine(), weights=KeepWeights()),

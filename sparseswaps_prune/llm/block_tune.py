@@ -33,7 +33,7 @@ from sparseswaps_prune.modules import PrunableLayer
 
 __all__ = ["BLOCK_TUNE_EPOCHS", "BLOCK_TUNE_LR", "BlockTuneReport", "check_tune", "tune_block"]
 
-BLOCK_TUNE_EPOCHS = 5  # the default of PruneOptions.block_tune_epochs and of sparseswaps prune --block-tune-epochs
+BLOCK_TUNE_EPOCHS = 10  # the default of PruneOptions.block_tune_epochs and of sparseswaps prune --block-tune-epochs
 BLOCK_TUNE_LR = 1e-3  # the default of PruneOptions.block_tune_lr and of --block-tune-lr
 
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from sparseswaps_prune.core.spec import DEFAULT_SPEC, build_spec
+from sparseswaps_prune.llm.block_tune import BLOCK_TUNE_EPOCHS
 from sparseswaps_prune.llm.experiment import Experiment
 from sparseswaps_prune.llm.models import TINY_VOCAB_SIZE, tiny_model
 from sparseswaps_prune.llm.pipeline import PruneOptions
@@ -52,13 +53,13 @@ def test_settings_are_build_spec_options(compare, common):
         "max_iters": 5,
     }
     assert compare.parse_setting("") == {}  # DEFAULT_SPEC without block tuning
-    assert compare.parse_setting("default") == {"tune": 5}  # the CLI's default: PruneOptions()
+    assert compare.parse_setting("default") == {"tune": BLOCK_TUNE_EPOCHS}  # the CLI's default: PruneOptions()
     assert compare.parse_setting("refine=dsnot,dsnot_skip=none") == {"refine": "dsnot", "dsnot_skip": None}
     for bad in ("warmstart=wanda", "sparsity=0.5", "guard=maybe", "refine"):
         with pytest.raises(SystemExit):
             compare.parse_setting(bad)
     # on top of DEFAULT_SPEC at the pattern, T from --max-iters unless given; scope=layer dropped at N:M
-    assert common.setting_spec({}, "60%", 25) == DEFAULT_SPEC
+    assert common.setting_spec({}, "60%", DEFAULT_SPEC.refine.max_iters) == DEFAULT_SPEC
     assert common.setting_spec({}, "70%", 5) == build_spec(sparsity=0.7, max_iters=5)
     published = {"start": "admm", "scope": "layer", "refine": "none", "weights": "start"}
     assert common.setting_spec(published, "2:4", 25) == build_spec(nm=(2, 4), start="admm", refine="none",
@@ -97,7 +98,7 @@ def test_owl_settings_are_pipeline_options(compare, common, tmp_path, capsys):
     spec = build_spec(sparsity=0.7, refine="none", weights="keep")
     assert options == PruneOptions(spec=spec, sparsity_profile="owl", owl_lambda=0.05, block_tune_epochs=0)
     assert common.options_label(options) == "wanda -> none -> keep, owl M=5 lambda=0.05"
-    assert common.setting_options({}, "60%", 25) == PruneOptions(block_tune_epochs=0)
+    assert common.setting_options({}, "60%", DEFAULT_SPEC.refine.max_iters) == PruneOptions(block_tune_epochs=0)
     with pytest.raises(ValueError, match="nm=\\(2, 4\\)"):
         common.setting_options(setting, "2:4", 25)
     with pytest.raises(ValueError, match="owl_lambda, profile set the pipeline's block budgets"):
@@ -128,7 +129,7 @@ def test_admm_alps_preset_on_a_tiny_model(compare, tmp_path, capsys):
         "admm/layer -> none -> start weights",
         "alps/layer -> none -> start weights",
         "sparsegpt/layer -> none -> obs",
-        "wanda -> sparseswaps T=3 -> ls -> block tune 5",
+        "wanda -> sparseswaps T=3 -> ls -> block tune 10",
         "admm -> sparseswaps T=3 -> ls",
         "alps -> sparseswaps T=3 -> ls",
         "alps -> none -> ls",
@@ -172,15 +173,15 @@ def test_rows_of_another_spec_are_not_read(compare, tmp_path, capsys):
 
 
 def test_block_tuning_settings_are_pipeline_options(compare, common):
-    default = common.setting_options(compare.parse_setting("default"), "60%", 25)
+    default = common.setting_options(compare.parse_setting("default"), "60%", 10)
     assert default == PruneOptions()
-    assert common.options_label(default) == "wanda -> sparseswaps T=25 -> ls -> block tune 5"
+    assert common.options_label(default) == "wanda -> sparseswaps T=10 -> ls -> block tune 10"
     tuned = common.setting_options(compare.parse_setting("refine=none,tune=5,tune_lr=0.003"), "60%", 25)
     assert (tuned.block_tune_epochs, tuned.block_tune_lr) == (5, 0.003)
     assert common.options_label(tuned) == "wanda -> none -> ls -> block tune 5 lr 0.003"
     # rows written before block tuning existed were not tuned: they are read as block_tune_epochs=0
     old = PruneOptions(block_tune_epochs=0).to_dict()
     del old["block_tune_epochs"], old["block_tune_lr"]
-    assert PruneOptions.from_dict(old) == common.setting_options({}, "60%", 25)
+    assert PruneOptions.from_dict(old) == common.setting_options({}, "60%", DEFAULT_SPEC.refine.max_iters)
     with pytest.raises(ValueError, match="tune set the pipeline's"):
         common.setting_spec({"tune": 5}, "60%", 25)

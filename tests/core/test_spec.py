@@ -22,9 +22,9 @@ from sparseswaps_prune.core.spec import (
 
 def test_default_spec():
     assert DEFAULT_SPEC == PruneSpec(
-        budget=Budget(sparsity=0.6), start=ScoreStart("wanda"), refine=SwapRefine(max_iters=25), weights=LeastSquares()
+        budget=Budget(sparsity=0.6), start=ScoreStart("wanda"), refine=SwapRefine(max_iters=10), weights=LeastSquares()
     )
-    assert DEFAULT_SPEC.describe() == "60% per row: wanda -> sparseswaps T=25 (mask) -> ls (diag ridge 0.1)"
+    assert DEFAULT_SPEC.describe() == "60% per row: wanda -> sparseswaps T=10 (mask) -> ls (diag ridge 0.1)"
     assert build_spec() == DEFAULT_SPEC
     assert DEFAULT_SPEC.weights == LeastSquares(solver="direct", damp=0.1, guard=False, ridge="diag")
 
@@ -111,7 +111,7 @@ def test_ridge_takes_its_own_default_damp_unless_given():
 def test_swap_scope_row_under_a_layer_budget():
     spec = build_spec(start="admm", scope="layer", swap_scope="row")
     assert spec.refine == SwapRefine(scope="row") and spec.budget.scope == "layer"
-    assert spec.describe() == "60% per layer: admm -> sparseswaps T=25 (mask) (within rows) -> ls (diag ridge 0.1)"
+    assert spec.describe() == "60% per layer: admm -> sparseswaps T=10 (mask) (within rows) -> ls (diag ridge 0.1)"
     assert PruneSpec.from_dict({**DEFAULT_SPEC.to_dict(), "refine": {"kind": "sparseswaps"}}) == DEFAULT_SPEC
 
 
@@ -121,7 +121,9 @@ def test_recipes_are_specs_that_options_change():
     assert RECIPES["default"] is DEFAULT_SPEC
     assert RECIPES["paper"].describe() == "60% per row: wanda -> sparseswaps T=100 (mask) -> keep"
     assert RECIPES["admm"] == build_spec(start="admm", scope="layer", refine="none", weights="start")
-    assert RECIPES["alps-swaps"] == build_spec(start="alps", scope="layer", swap_scope="row", objective="refit")
+    assert RECIPES["alps-swaps"] == build_spec(
+        start="alps", scope="layer", swap_scope="row", objective="refit", max_iters=25
+    )
     assert RECIPES["alps-swaps"].weights == DEFAULT_SPEC.weights  # the re-fit objective's own re-fit
     seventy = build_spec(RECIPES["alps"], sparsity=0.7)
     assert seventy.budget == Budget(sparsity=0.7, scope="layer") and seventy.start == RECIPES["alps"].start
