@@ -10,6 +10,7 @@ import torch
 from sparseswaps_prune.callbacks import SparseSwapsPruning
 from sparseswaps_prune.cli import build_parser, job_config, main
 from sparseswaps_prune.core.spec import DEFAULT_SPEC, RECIPES, OBSUpdate, build_spec
+from sparseswaps_prune.llm.block_tune import BLOCK_TUNE_EPOCHS
 from sparseswaps_prune.llm.job import JobConfig
 from sparseswaps_prune.llm.pipeline import PruneOptions
 from sparseswaps_prune.prune import SparseSwapsMethod
@@ -59,7 +60,7 @@ def test_cli_and_python_defaults_build_the_same_job():
     assert tuned.prune.block_tune_epochs == 2
     assert (
         job_config(build_parser().parse_args(["prune", "--out", "x", "--recipe", "alps-swaps"])).prune.block_tune_epochs
-        == 5
+        == BLOCK_TUNE_EPOCHS
     )
     shards = job_config(build_parser().parse_args(["prune", "--out", "x", "--calib-shards", "4"]))
     assert shards == JobConfig(prune=PruneOptions(calib_shards=4))
@@ -68,7 +69,7 @@ def test_cli_and_python_defaults_build_the_same_job():
     tune = job_config(build_parser().parse_args(["prune", "--out", "x", "--block-tune-epochs", "3", "--block-tune-lr",
                                                  "0.002"]))  # fmt: skip
     assert tune == JobConfig(prune=PruneOptions(block_tune_epochs=3, block_tune_lr=0.002))
-    assert PruneOptions().block_tune_epochs == 5  # block tuning is part of the default
+    assert PruneOptions().block_tune_epochs == BLOCK_TUNE_EPOCHS == 10  # block tuning is part of the default
     assert main(["prune", "--block-tune-epochs", "-1", "--out", "x"]) == 2
 
 
