@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU figures of BENCHMARKS.md ("GPU"), in one go, on a CUDA machine with torch/triton/transformers installed
 # and this checkout on PYTHONPATH. Each step is bounded by `timeout` so that one slow step leaves the others' output.
-#   bash benchmarks/gpu_figures.sh [OUTDIR] [STAGE]      # STAGE: short (default: all), pipeline, or full (all 32 blocks of 8B with the default)
+#   bash benchmarks/gpu_figures.sh [OUTDIR] [STAGE]      # STAGE: short (default: all), pipeline, default (2 blocks of 8B with the default), or full (all 32 blocks of 8B with the default)
 set -u -o pipefail
 out=${1:-gpu_out}; stage=${2:-short}; mkdir -p "$out"
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1
@@ -18,6 +18,9 @@ if [ "$stage" = short ] || [ "$stage" = pipeline ]; then
     --json "$out/llm_pipeline_8b_2blocks.json"
   step 240 python3 benchmarks/llm_pipeline.py --model llama-3.1-8b --blocks 2 --iters 25 --block-tune-epochs 5 \
     --device cuda --json "$out/llm_pipeline_8b_2blocks_tuned.json"
+elif [ "$stage" = default ]; then  # the default (T=10, 10 tuning epochs) on 2 of 32 blocks: about 2 min on an H200
+  step 330 python3 benchmarks/llm_pipeline.py --model llama-3.1-8b --blocks 2 --iters 10 --block-tune-epochs 10 \
+    --device cuda --json "$out/llm_pipeline_8b_default.json"
 elif [ "$stage" = full ]; then  # the default (T=10, 10 tuning epochs): about 28 min on one H100 (extrapolated)
   step 3600 python3 benchmarks/llm_pipeline.py --model llama-3.1-8b --iters 10 --block-tune-epochs 10 --device cuda \
     --json "$out/llm_pipeline_8b_full.json"
