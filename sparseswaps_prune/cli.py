@@ -212,8 +212,8 @@ def _add_prune_options(p: argparse.ArgumentParser) -> None:
     budget.add_argument(
         "--sparsity-profile", choices=PROFILES,
         help="the same --sparsity in every block, or OWL's (Yin et al. 2023): blocks whose Wanda scores have more "
-        "outliers pruned less, the mean over blocks --sparsity (one extra dense forward; not with --nm, --blockwise "
-        "or --distributed) (default uniform)",
+        "outliers pruned less, the mean over blocks --sparsity (one extra dense forward; not with --nm) (default "
+        "uniform)",
     )  # fmt: skip
     budget.add_argument(
         "--owl-m", type=float, help=f"OWL: scores above M times the block's mean are outliers (default {OWL_M:g})"

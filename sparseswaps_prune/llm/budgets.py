@@ -4,14 +4,16 @@ The calibration windows run once through the dense model, block by block (:mod:`
 while forward hooks sum each pruned layer's squared inputs per feature (the Gram diagonal; no Gram is formed). Each
 block's outlier ratio of the Wanda scores and the blocks' sparsities are then OWL's
 (:mod:`sparseswaps_prune.core.budgets`). The result depends only on the dense model, the windows and the options,
-so a resumed run recomputes it (before any finished block is restored) to the same budgets.
+so a resumed run recomputes it (before any finished block is restored) to the same budgets, and every rank of a
+distributed run (each forwards all the windows) gets the budgets one process gets. The block-wise path
+(:mod:`~sparseswaps_prune.llm.streaming`) reads each block from the checkpoint for its forward and drops it after.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -24,11 +26,14 @@ from sparseswaps_prune.modules import find_layers, input_hooks
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["owl_block_sparsities"]
+__all__ = ["BlockLoader", "on_device", "owl_block_sparsities"]
+
+BlockLoader = Callable[[int], contextlib.AbstractContextManager[None]]
+"""``loader(index)``: a context manager inside which decoder block ``index`` has its weights on the compute device."""
 
 
 @contextlib.contextmanager
-def _on_device(block: nn.Module, device: torch.device) -> Iterator[None]:
+def on_device(block: nn.Module, device: torch.device) -> Iterator[None]:
     """``block`` on ``device`` inside (materialised there when accelerate dispatches it), back outside."""
     if offload.is_dispatched(block):
         with offload.onloaded(block, device):
@@ -56,6 +61,7 @@ def owl_block_sparsities(
     device: torch.device | str = "cpu",
     batch_size: int = 1,
     progress: bool = False,
+    loader: BlockLoader | None = None,
 ) -> dict[int, float]:
     """OWL's sparsity of every decoder block that has a pruned layer, from one dense forward of ``calib_tokens``.
 
@@ -72,6 +78,9 @@ def owl_block_sparsities(
         device: compute device for each block.
         batch_size: calibration windows per forward.
         progress: show a tqdm bar.
+        loader: puts each block's weights on ``device`` for its forward (default: :func:`on_device`; the block-wise
+            path reads the block from the checkpoint and drops it after). The capture of the first block's inputs
+            runs before, with the embeddings and block 0 where ``model`` has them.
 
     Returns:
         ``{block index: sparsity}``: each in ``[0, 1)``, their mean ``target``.
@@ -81,6 +90,7 @@ def owl_block_sparsities(
             ``m``, ``target`` or windows; raised before anything is modified.
     """
     device = torch.device(device)
+    loader = loader or (lambda index: on_device(blocks[index], device))
     inputs = capture_block_inputs(model, blocks, calib_tokens, batch_size=batch_size)
     ratios: dict[int, float] = {}
     for index, block in enumerate(tqdm(blocks, desc="OWL pre-pass", disable=not progress, leave=False)):
@@ -90,7 +100,7 @@ def owl_block_sparsities(
         def record(name: str, x: torch.Tensor, sums: dict[str, torch.Tensor] = sq_norms) -> None:
             sums[name] += x.reshape(-1, x.shape[-1]).double().square().sum(dim=0)
 
-        with _on_device(block, device):
+        with loader(index):
             with input_hooks(layers, record):
                 inputs = inputs.run_block(block, device)
             if layers:

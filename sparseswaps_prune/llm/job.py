@@ -149,9 +149,6 @@ class JobConfig:
         WindowShards(self.nsamples, self.batch_size, self.prune.calib_shards, what="calibration")
         if self.holdout:
             WindowShards(self.holdout, self.batch_size, self.prune.calib_shards, what="held-out")
-        for name in ("blockwise", "distributed"):
-            if getattr(self, name):
-                self.prune.require_uniform(f"{name}=True (--{name})")
         if self.distributed:
             self.prune.require_whole_windows("distributed=True (--distributed)")
         if self.blockwise:

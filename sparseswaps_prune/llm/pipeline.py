@@ -32,7 +32,7 @@ from sparseswaps_prune.core.layer import LayerOutcome, prune_layer
 from sparseswaps_prune.core.spec import DEFAULT_SPEC, Budget, DSnoTRefine, PruneSpec
 from sparseswaps_prune.llm import checkpoint, offload
 from sparseswaps_prune.llm.block_tune import BLOCK_TUNE_EPOCHS, BLOCK_TUNE_LR, BlockTuneReport, check_tune, tune_block
-from sparseswaps_prune.llm.budgets import owl_block_sparsities
+from sparseswaps_prune.llm.budgets import BlockLoader, owl_block_sparsities
 from sparseswaps_prune.llm.capture import BlockInputs, capture_block_inputs
 from sparseswaps_prune.llm.checkpoint import STREAMS, dense_key
 from sparseswaps_prune.llm.distributed import Ranks, WindowShards, plan_work, sum_shard_grams
@@ -119,15 +119,6 @@ class PruneOptions:
             raise ValueError(
                 f"sparsity_profile='owl' gives each block its own sparsity, but the budget is "
                 f"nm={self.spec.budget.nm}; use sparsity= (--sparsity), or sparsity_profile='uniform' with N:M"
-            )
-
-    def require_uniform(self, what: str) -> None:
-        """Raise ``ValueError`` unless the profile is uniform: ``what`` (e.g. ``"distributed=True (--distributed)"``)
-        does not support other profiles in this version."""
-        if self.sparsity_profile != "uniform":
-            raise ValueError(
-                f"sparsity_profile={self.sparsity_profile!r} is not supported with {what} in this version; use "
-                "sparsity_profile='uniform' (--sparsity-profile uniform) there, or prune in one process in memory"
             )
 
     def require_whole_windows(self, what: str) -> None:
@@ -288,7 +279,8 @@ def prune_model(
         calib_tokens: ``[n, seqlen]`` int64 calibration windows.
         options: :class:`PruneOptions`. With ``sparsity_profile="owl"`` the calibration windows first run once
             through the dense model to give each block its budget (:func:`block_options`); a resumed run does that
-            again, before restoring its finished blocks, and gets the same budgets.
+            again, before restoring its finished blocks, and gets the same budgets, as does every rank of a
+            ``distributed`` run (each forwards all the windows for it).
         device: compute device for blocks and refinement.
         batch_size: calibration windows per block forward.
         checkpoint_dir: where finished blocks are recorded for resuming (created if missing); one made with
@@ -314,14 +306,13 @@ def prune_model(
 
     Raises:
         ValueError: bad options or layer widths, ``options.calib_shards`` that does not fit the windows or the
-            ranks, ``checkpoint_dir`` or ``distributed`` with a model whose weights accelerate offloads, or
-            ``distributed`` with ``options.sparsity_profile="owl"`` (naming the fix; all before anything is
-            modified); :class:`~sparseswaps_prune.llm.checkpoint.CheckpointMismatch` for a checkpoint
-            of another run (another model, data, options or number of ranks).
+            ranks, or ``checkpoint_dir`` or ``distributed`` with a model whose weights accelerate offloads (naming
+            the fix; all before anything is modified);
+            :class:`~sparseswaps_prune.llm.checkpoint.CheckpointMismatch` for a checkpoint of another run (another
+            model, data, options or number of ranks).
     """
     options.validate()
     if distributed:
-        options.require_uniform("distributed=True (--distributed)")
         options.require_whole_windows("distributed=True (--distributed)")
     start = time.perf_counter()
     check_layers(model, options)
@@ -465,11 +456,13 @@ def block_options(
     device: torch.device | str,
     batch_size: int,
     progress: bool,
+    loader: BlockLoader | None = None,
 ) -> list[PruneOptions]:
     """The options each of ``blocks`` is pruned with: ``options`` itself everywhere with the uniform profile; with
     ``sparsity_profile="owl"``, ``options`` whose spec's budget has the block's OWL sparsity
     (:func:`~sparseswaps_prune.llm.budgets.owl_block_sparsities`: one dense forward of ``calib_tokens`` through
-    ``model``, whose weights are not modified), after checking that every layer's width fits its block's budget.
+    ``model``, whose weights are not modified; ``loader`` as there), after checking that every layer's width fits its
+    block's budget.
 
     Raises:
         ValueError: ``owl_lambda`` puts a block's sparsity outside ``[0, 1)``, or a block's sparsity keeps no weight
@@ -480,7 +473,7 @@ def block_options(
     sparsities = owl_block_sparsities(
         model, blocks, blocks_name, calib_tokens, target=options.spec.budget.sparsity, m=options.owl_m,
         lam=options.owl_lambda, include=options.include, exclude=options.exclude, device=device,
-        batch_size=batch_size, progress=progress,
+        batch_size=batch_size, progress=progress, loader=loader,
     )  # fmt: skip
     per_block = []
     for index, block in enumerate(blocks):

@@ -47,6 +47,7 @@ Only the default model's architecture (LLaMA) is tested from a GGUF.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import json
@@ -58,7 +59,7 @@ import shutil
 import struct
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -72,6 +73,7 @@ from sparseswaps_prune.core.checks import check_device
 from sparseswaps_prune.extras import require
 from sparseswaps_prune.llm import checkpoint, pipeline
 from sparseswaps_prune.llm.block_tune import BlockTuneReport
+from sparseswaps_prune.llm.budgets import on_device
 from sparseswaps_prune.llm.distributed import Ranks
 from sparseswaps_prune.llm.layers import find_blocks
 from sparseswaps_prune.llm.pipeline import LayerReport, PruneOptions, PruneResult, check_layers, finalize
@@ -882,6 +884,44 @@ def _load(model: nn.Module, source: CheckpointReader, mapping: dict[str, str], n
         _set_tensor(model, name, value)
 
 
+def _block_options(
+    model: nn.Module,
+    reader: CheckpointReader,
+    mapping: dict[str, str],
+    for_capture: list[str],
+    block_keys: list[list[str]],
+    calib_tokens: torch.Tensor,
+    options: PruneOptions,
+    device: torch.device,
+    batch_size: int,
+    progress: bool,
+) -> list[PruneOptions]:
+    """:func:`~sparseswaps_prune.llm.pipeline.block_options` (OWL's budgets) of the model the skeleton ``model`` is
+    read into: the tensors outside the blocks and block 0 are loaded for the capture, each block is read for its
+    dense forward and dropped after, and the tensors outside the blocks are dropped at the end, so the model is
+    again the empty skeleton."""
+    blocks_name, blocks = find_blocks(model, options.blocks_path)
+
+    @contextlib.contextmanager
+    def loaded(index: int) -> Iterator[None]:
+        if index > 0:  # block 0 is loaded with the tensors the capture needs
+            _load(model, reader, mapping, block_keys[index])
+        try:
+            with on_device(blocks[index], device):
+                yield
+        finally:
+            blocks[index].to("meta")
+
+    _load(model, reader, mapping, for_capture + block_keys[0])
+    try:
+        return pipeline.block_options(
+            model, blocks, blocks_name, calib_tokens, options, device, batch_size, progress, loader=loaded
+        )
+    finally:
+        blocks[0].to("meta")
+        _drop(model, for_capture)
+
+
 def _write_configs(model: nn.Module, reader: CheckpointReader, out_dir: Path, dtype: torch.dtype) -> list[str]:
     """``config.json`` and ``generation_config.json`` as ``save_pretrained`` writes them, and the source's other
     files (:meth:`CheckpointReader.write_other_files`: a copy of every other non-weight file of a safetensors
@@ -987,8 +1027,8 @@ def prune_checkpoint(
     Raises:
         FileNotFoundError: ``source`` has no safetensors checkpoint, the GGUF file does not exist, or ``source`` is
             a hub name.
-        ValueError: bad options or layer widths, or ``options.sparsity_profile="owl"`` (not supported here yet; all
-            before anything is written), ``out_dir`` is the source's directory, the checkpoint does not match its
+        ValueError: bad options or layer widths (OWL's block budgets included; all before anything is written),
+            ``out_dir`` is the source's directory, the checkpoint does not match its
             config, ``gguf_file`` contradicts ``source``, or transformers converts the GGUF's architecture through
             its weight-conversion path (see :class:`GGUFCheckpoint`).
         ~sparseswaps_prune.llm.checkpoint.CheckpointMismatch: ``checkpoint_dir`` holds the checkpoint of another
@@ -1000,7 +1040,6 @@ def prune_checkpoint(
     start = time.perf_counter()
     probe = MemoryProbe()
     options.validate()
-    options.require_uniform("the block-wise streaming path (prune_checkpoint, --blockwise)")
     if distributed:
         options.require_whole_windows("distributed=True (--distributed)")
     device = check_device(device)
@@ -1036,6 +1075,10 @@ def prune_checkpoint(
     for_capture = [name for name in outside if name not in head]
     # In the order save_pretrained uses for the model from_pretrained loads from this source.
     planned = [(name, state[name].dtype, tuple(state[name].shape)) for name in reader.save_order(model, list(mapping))]
+    block_options = [options] * len(blocks)
+    if options.sparsity_profile != "uniform":  # OWL's pre-pass reads every block once more, before anything is written
+        block_options = _block_options(model, reader, mapping, for_capture, block_keys, calib_tokens, options, device,
+                                   batch_size, progress)  # fmt: skip
 
     resumed, state_dir = None, None
     if checkpoint_dir is not None:
@@ -1101,8 +1144,9 @@ def prune_checkpoint(
             # A fresh result per block: its masks are dropped with the block.
             step_ranks, step = ranks if ranks.world_size > 1 else None, PruneResult()
             _, reports, inputs = pipeline._process_block(
-                blocks, blocks_name, index, inputs, options, device, step, progress, False, step_ranks, shards
-            )
+                blocks, blocks_name, index, inputs, block_options[index], device, step, progress, False, step_ranks,
+                shards,
+            )  # fmt: skip
             layers.extend(reports)
             tunes.extend(step.block_tunes)
             finalize(blocks[index])

@@ -1,14 +1,18 @@
-"""OWL block budgets in the pipeline (sparsity_profile="owl"): per-block sparsities, resume, refusals, CLI."""
+"""OWL block budgets in the pipeline (sparsity_profile="owl"): per-block sparsities, resume, refusals, the
+block-wise path, gloo ranks, CLI."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import asdict
 
 import pytest
 import torch
+import torch.multiprocessing as mp
 from accelerate import cpu_offload
 from accelerate.utils.modeling import get_state_dict_offloaded_model
+from transformers import AutoModelForCausalLM
 
 from sparseswaps_prune.cli import build_parser, job_config
 from sparseswaps_prune.core.spec import build_spec
@@ -17,7 +21,7 @@ from sparseswaps_prune.llm.job import JobConfig
 from sparseswaps_prune.llm.layers import find_blocks
 from sparseswaps_prune.llm.models import tiny_model
 from sparseswaps_prune.llm.pipeline import PruneOptions, block_options, finalize, prune_model
-from sparseswaps_prune.llm.streaming import prune_checkpoint
+from sparseswaps_prune.llm.streaming import SafetensorsCheckpoint, prune_checkpoint
 from tests.llm.helpers import crash_on_call
 
 N_BLOCKS = 4
@@ -124,15 +128,90 @@ def test_refusals_name_the_option_before_anything_is_modified(tmp_path):
     before = {k: v.clone() for k, v in dense.state_dict().items()}
     with pytest.raises(ValueError, match=r"owl_lambda=0.3 .* use owl_lambda below"):
         prune_model(dense, calib(), owl(lam=0.3, sparsity=0.2), batch_size=2, progress=False)
-    with pytest.raises(ValueError, match="not supported with distributed=True"):
-        prune_model(dense, calib(), owl(), distributed=True, progress=False)
-    with pytest.raises(ValueError, match="not supported with the block-wise streaming path"):
-        prune_checkpoint(tmp_path, tmp_path / "out", calib(), owl())
+    source = tmp_path / "src"
+    model().save_pretrained(source)
+    with pytest.raises(ValueError, match=r"owl_lambda=0.3 .* use owl_lambda below"):  # block-wise: nothing written
+        prune_checkpoint(source, tmp_path / "out", calib(), owl(lam=0.3, sparsity=0.2), progress=False)
+    assert not (tmp_path / "out").exists()
     assert not any(hasattr(m, "weight_mask") for m in dense.modules())
     assert all(torch.equal(v, before[k]) for k, v in dense.state_dict().items())
-    for setting in ("blockwise", "distributed"):
-        with pytest.raises(ValueError, match=f"not supported with {setting}=True"):
-            JobConfig(prune=owl(), **{setting: True}).validate()
+    JobConfig(prune=owl(), distributed=True).validate()  # OWL goes with ranks and with the block-wise path
+
+
+def saved_outputs(directory) -> dict[str, torch.Tensor]:
+    reader = SafetensorsCheckpoint(directory)
+    return reader.read(reader.files)
+
+
+def test_blockwise_owl_equals_in_memory_and_resumes(tmp_path):
+    """The block-wise path reads each block once more for OWL's pre-pass: same budgets, same saved tensors and
+    reports as the in-memory path; a call stopped after block 1 resumes to the same files."""
+    options = owl(weights="ls")
+    model().save_pretrained(tmp_path / "src")
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path / "src").eval()
+    expected = prune_model(reference, calib(), options, batch_size=2, progress=False)
+    finalize(reference)
+    reference.save_pretrained(tmp_path / "mem")
+
+    def stream(out: str, **kwargs):
+        return prune_checkpoint(tmp_path / "src", tmp_path / out, calib(), options, batch_size=2, progress=False,
+                                **kwargs)  # fmt: skip
+
+    streamed = stream("stream")
+    assert list(map(timeless, streamed.layers)) == list(map(timeless, expected.layers))
+    assert len({r.sparsity for r in streamed.layers if r.name.endswith("q_proj")}) == N_BLOCKS  # own budgets
+    mem, out = saved_outputs(tmp_path / "mem"), saved_outputs(tmp_path / "stream")
+    assert mem.keys() == out.keys() and all(torch.equal(mem[k], v) for k, v in out.items())
+
+    with crash_on_call(pipeline, "_process_block", 3):
+        stream("resumed", checkpoint_dir=tmp_path / "ckpt")
+    resumed = stream("resumed", checkpoint_dir=tmp_path / "ckpt")
+    assert list(map(timeless, resumed.layers)) == list(map(timeless, expected.layers))
+    again = saved_outputs(tmp_path / "resumed")
+    assert all(torch.equal(mem[k], v) for k, v in again.items())
+
+
+def owl_shards() -> PruneOptions:
+    """OWL with the windows in 2 shards, one per rank (block tuning, which needs all windows, off)."""
+    return dataclasses.replace(owl(), calib_shards=2, block_tune_epochs=0)
+
+
+def _owl_ranks_worker(rank: int, world_size: int, tmp: str) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=world_size)
+    try:
+        options = owl_shards()
+        dense = AutoModelForCausalLM.from_pretrained(f"{tmp}/src").eval()
+        result = prune_model(dense, calib(), options, batch_size=2, distributed=True, progress=False)
+        finalize(dense)
+        streamed = prune_checkpoint(f"{tmp}/src", f"{tmp}/stream", calib(), options, batch_size=2, distributed=True,
+                                    progress=False)  # fmt: skip
+        out = {"state": dense.state_dict(), "layers": result.layers, "stream_layers": streamed.layers}
+        torch.save(out, f"{tmp}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_gloo_ranks_with_owl_equal_one_process(tmp_path):
+    """Every rank runs OWL's pre-pass on all windows (each forwards only its shard of them after): in memory and
+    block-wise, the ranks end with the weights and reports of one process with the same calib_shards."""
+    model().save_pretrained(tmp_path / "src")
+    options = owl_shards()
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path / "src").eval()
+    expected = prune_model(reference, calib(), options, batch_size=2, progress=False)
+    finalize(reference)
+    mp.spawn(_owl_ranks_worker, args=(2, str(tmp_path)), nprocs=2, join=True)
+    state = reference.state_dict()
+    for rank in range(2):
+        got = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
+        assert all(torch.equal(got["state"][k], v) for k, v in state.items())
+        assert list(map(timeless, got["layers"])) == list(map(timeless, expected.layers))
+        assert list(map(timeless, got["stream_layers"])) == list(map(timeless, expected.layers))
+    reference.save_pretrained(tmp_path / "mem")
+    mem, out = saved_outputs(tmp_path / "mem"), saved_outputs(tmp_path / "stream")
+    assert mem.keys() == out.keys() and all(torch.equal(mem[k], v) for k, v in out.items())
 
 
 def test_cli_flags_reach_the_job_config():
