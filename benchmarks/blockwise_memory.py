@@ -15,9 +15,13 @@ tensors equal the 1-process in-memory output bit for bit.
 By default only ``k_proj`` and ``v_proj`` of each block are pruned (``--include``): on the CPU the other layers'
 pruning takes minutes each at these widths (the 4096 x 14336 down_proj about 4 min on one thread), and its working
 set (fp64 Gram copies, row losses: several GB) would then be the peak; here every block is still read, run,
-written and dropped in full. ``--all-layers`` prunes every linear layer.
+written and dropped in full. ``--all-layers`` prunes every linear layer. ``--row-shards N`` cuts layers into row shards of at least ``N`` rows
+across the ranks (``PruneOptions.row_shards``; whole layers by default), e.g. to time a block whose pruning is
+dominated by one layer:
 
     python benchmarks/blockwise_memory.py --layers 2 4 --ranks 1 2
+    OMP_NUM_THREADS=1 python benchmarks/blockwise_memory.py --layers 1 --ranks 1 2 --include "*.mlp.down_proj" \
+        "*.self_attn.o_proj" --row-shards 256
 """
 
 from __future__ import annotations
@@ -70,7 +74,8 @@ def options(args: argparse.Namespace):
     from sparseswaps_prune.llm.pipeline import PruneOptions
 
     include = None if args.all_layers else args.include
-    return PruneOptions(spec=build_spec(max_iters=args.max_iters, weights="keep"), include=include)
+    spec = build_spec(max_iters=args.max_iters, weights="keep")
+    return PruneOptions(spec=spec, include=include, row_shards=args.row_shards, block_tune_epochs=0)
 
 
 def child_memory(args: argparse.Namespace) -> dict:
@@ -164,6 +169,7 @@ def run_child(kind: str, args: argparse.Namespace, src: Path, out: Path, ranks: 
     cmd = [sys.executable, __file__, "--child", kind, "--src", str(src), "--out", str(out), "--ranks", str(ranks)]
     cmd += ["--vocab", str(args.vocab), "--nsamples", str(args.nsamples), "--seqlen", str(args.seqlen)]
     cmd += ["--max-iters", str(args.max_iters), "--dtype", args.dtype, "--device", args.device]
+    cmd += ["--row-shards", str(args.row_shards)]
     cmd += ["--shard-size", args.shard_size, "--include", *args.include] + (["--all-layers"] if args.all_layers else [])
     done = subprocess.run(cmd, check=True, capture_output=True, text=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -182,6 +188,9 @@ def main() -> None:
     parser.add_argument("--include", nargs="+", default=["*.self_attn.k_proj", "*.self_attn.v_proj"])
     parser.add_argument("--all-layers", action="store_true", help="prune every linear layer (slow on the CPU)")
     parser.add_argument("--ranks", type=int, nargs="+", default=[1], help="stream with these numbers of gloo ranks")
+    parser.add_argument(
+        "--row-shards", type=int, default=0, help="PruneOptions.row_shards with more than one rank (0: whole layers)"
+    )
     parser.add_argument("--workdir", type=Path, default=None, help="default: a temporary directory, removed after")
     parser.add_argument("--json", type=Path, default=None, help="also write all results here")
     parser.add_argument("--child", choices=["memory", "stream"], help=argparse.SUPPRESS)
@@ -203,7 +212,7 @@ def main() -> None:
     print(
         f"LLaMA-3.1-8B widths (hidden 4096, MLP 14336, heads 32/8), vocab {args.vocab}, {args.dtype}, random weights; "
         f"calibration {args.nsamples} x {args.seqlen}; weights=keep, max_iters={args.max_iters}; pruned: {pruned}; "
-        f"device {args.device}; OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}"
+        f"row_shards={args.row_shards}; device {args.device}; OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}"
     )
     print(f"one block: {block_bytes / GB:.3f} GB; GB = 1e9 bytes; peak = VmHWM since the call; +peak = peak - RSS at")
     print("the start of the call (after imports); x block = +peak / one block; identical = tensors equal to memory")
