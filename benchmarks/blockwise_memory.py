@@ -15,13 +15,13 @@ tensors equal the 1-process in-memory output bit for bit.
 By default only ``k_proj`` and ``v_proj`` of each block are pruned (``--include``): on the CPU the other layers'
 pruning takes minutes each at these widths (the 4096 x 14336 down_proj about 4 min on one thread), and its working
 set (fp64 Gram copies, row losses: several GB) would then be the peak; here every block is still read, run,
-written and dropped in full. ``--all-layers`` prunes every linear layer. ``--row-shards N`` cuts layers into row shards of at least ``N`` rows
-across the ranks (``PruneOptions.row_shards``; whole layers by default), e.g. to time a block whose pruning is
-dominated by one layer:
+written and dropped in full. ``--all-layers`` prunes every linear layer. ``--row-shards 0 256`` runs every rank
+count above 1 once with whole layers and once cut into row shards of at least 256 rows (``PruneOptions.row_shards``),
+e.g. to time a block whose pruning one layer dominates. Block tuning is off (``block_tune_epochs=0``).
 
     python benchmarks/blockwise_memory.py --layers 2 4 --ranks 1 2
     OMP_NUM_THREADS=1 python benchmarks/blockwise_memory.py --layers 1 --ranks 1 2 --include "*.mlp.down_proj" \
-        "*.self_attn.o_proj" --row-shards 256
+        "*.self_attn.k_proj" --row-shards 0 256
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def options(args: argparse.Namespace):
 
     include = None if args.all_layers else args.include
     spec = build_spec(max_iters=args.max_iters, weights="keep")
-    return PruneOptions(spec=spec, include=include, row_shards=args.row_shards, block_tune_epochs=0)
+    return PruneOptions(spec=spec, include=include, row_shards=args.row_shards[0], block_tune_epochs=0)
 
 
 def child_memory(args: argparse.Namespace) -> dict:
@@ -165,11 +165,11 @@ def same_tensors(a: Path, b: Path) -> bool:
     return True
 
 
-def run_child(kind: str, args: argparse.Namespace, src: Path, out: Path, ranks: int = 1) -> dict:
+def run_child(kind: str, args: argparse.Namespace, src: Path, out: Path, ranks: int = 1, row_shards: int = 0) -> dict:
     cmd = [sys.executable, __file__, "--child", kind, "--src", str(src), "--out", str(out), "--ranks", str(ranks)]
     cmd += ["--vocab", str(args.vocab), "--nsamples", str(args.nsamples), "--seqlen", str(args.seqlen)]
     cmd += ["--max-iters", str(args.max_iters), "--dtype", args.dtype, "--device", args.device]
-    cmd += ["--row-shards", str(args.row_shards)]
+    cmd += ["--row-shards", str(row_shards)]
     cmd += ["--shard-size", args.shard_size, "--include", *args.include] + (["--all-layers"] if args.all_layers else [])
     done = subprocess.run(cmd, check=True, capture_output=True, text=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -189,8 +189,9 @@ def main() -> None:
     parser.add_argument("--all-layers", action="store_true", help="prune every linear layer (slow on the CPU)")
     parser.add_argument("--ranks", type=int, nargs="+", default=[1], help="stream with these numbers of gloo ranks")
     parser.add_argument(
-        "--row-shards", type=int, default=0, help="PruneOptions.row_shards with more than one rank (0: whole layers)"
-    )
+        "--row-shards", type=int, nargs="+", default=[0],
+        help="PruneOptions.row_shards, one run per value with each rank count above 1 (0: whole layers)",
+    )  # fmt: skip
     parser.add_argument("--workdir", type=Path, default=None, help="default: a temporary directory, removed after")
     parser.add_argument("--json", type=Path, default=None, help="also write all results here")
     parser.add_argument("--child", choices=["memory", "stream"], help=argparse.SUPPRESS)
@@ -212,11 +213,11 @@ def main() -> None:
     print(
         f"LLaMA-3.1-8B widths (hidden 4096, MLP 14336, heads 32/8), vocab {args.vocab}, {args.dtype}, random weights; "
         f"calibration {args.nsamples} x {args.seqlen}; weights=keep, max_iters={args.max_iters}; pruned: {pruned}; "
-        f"row_shards={args.row_shards}; device {args.device}; OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}"
+        f"device {args.device}; OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}"
     )
     print(f"one block: {block_bytes / GB:.3f} GB; GB = 1e9 bytes; peak = VmHWM since the call; +peak = peak - RSS at")
     print("the start of the call (after imports); x block = +peak / one block; identical = tensors equal to memory")
-    header = f"{'blocks':>6} {'path':<9} {'peak GB':>8} {'+peak GB':>9} {'x block':>8} {'wall s':>8} {'s/block':>8}"
+    header = f"{'blocks':>6} {'path':<18} {'peak GB':>8} {'+peak GB':>9} {'x block':>8} {'wall s':>8} {'s/block':>8}"
     print(header + f" {'written GB':>10}  identical")
     results = []
     try:
@@ -227,26 +228,29 @@ def main() -> None:
             build_seconds = time.perf_counter() - t0
             memory_out = work / f"memory{layers}"
             runs = [("memory", 1, run_child("memory", args, src, memory_out))]
+            outs = {"memory": memory_out}
             for ranks in args.ranks:
-                out = work / f"stream{layers}_{ranks}"
-                runs.append((f"stream x{ranks}", ranks, run_child("stream", args, src, out, ranks)))
+                for row_shards in args.row_shards if ranks > 1 else [0]:
+                    name = f"stream x{ranks}" + (f" rows {row_shards}" if row_shards else "")
+                    outs[name] = work / f"stream{layers}_{ranks}_{row_shards}"
+                    runs.append((name, ranks, run_child("stream", args, src, outs[name], ranks, row_shards)))
             for name, ranks, rep in runs:
-                out = memory_out if name == "memory" else work / f"stream{layers}_{ranks}"
+                out = outs[name]
                 rep["identical"] = True if name == "memory" else same_tensors(memory_out, out)
                 if name != "memory" and rep["block_bytes"] != block_bytes:
                     raise RuntimeError(f"block bytes: measured {rep['block_bytes']}, computed {block_bytes}")
                 extra = rep["peak_rss_bytes"] - rep["start_rss_bytes"]
                 per_block = f"{rep['mean_block_seconds']:8.1f}" if "mean_block_seconds" in rep else f"{'':>8}"
                 print(
-                    f"{layers:>6} {name:<9} {rep['peak_rss_bytes'] / GB:8.2f} {extra / GB:9.2f} "
+                    f"{layers:>6} {name:<18} {rep['peak_rss_bytes'] / GB:8.2f} {extra / GB:9.2f} "
                     f"{extra / block_bytes:8.2f} {rep['seconds']:8.1f} {per_block} {rep['bytes_written'] / GB:10.2f}  "
                     f"{rep['identical']}"
                 )
                 if "per_rank_peak_rss_bytes" in rep:
                     peaks = ", ".join(f"{p / GB:.2f}" for p in rep["per_rank_peak_rss_bytes"])
-                    print(f"{'':>6} {'':<9} per-rank peak GB: {peaks}")
+                    print(f"{'':>6} {'':<18} per-rank peak GB: {peaks}")
                 results.append({"layers": layers, "path": name, "ranks": ranks, "build_seconds": build_seconds, **rep})
-            for path in [src, memory_out, *(work / f"stream{layers}_{r}" for r in args.ranks)]:
+            for path in [src, *outs.values()]:
                 shutil.rmtree(path, ignore_errors=True)
     finally:
         if args.workdir is None:
