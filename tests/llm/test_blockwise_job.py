@@ -22,10 +22,12 @@ from sparseswaps_prune.llm.models import default_gguf_path
 ARGS = ["--nsamples", "2", "--seqlen", "16", "--holdout", "1", "--max-iters", "2", "--quiet"]
 
 
-def test_blockwise_job_saves_the_in_memory_model(saved_tiny, tmp_path, capsys):
+@pytest.mark.parametrize("flags", [[], ["--sparsity-profile", "owl"]])
+def test_blockwise_job_saves_the_in_memory_model(saved_tiny, tmp_path, capsys, flags):
     streamed, loaded = tmp_path / "streamed", tmp_path / "loaded"
-    assert main(["prune", "--model", str(saved_tiny), "--blockwise", *ARGS, "--out", str(streamed)]) == 0
-    assert main(["prune", "--model", str(saved_tiny), "--eval", "none", *ARGS, "--out", str(loaded)]) == 0
+    args = [*ARGS, *flags]
+    assert main(["prune", "--model", str(saved_tiny), "--blockwise", *args, "--out", str(streamed)]) == 0
+    assert main(["prune", "--model", str(saved_tiny), "--eval", "none", *args, "--out", str(loaded)]) == 0
     a, b = load_file(streamed / "model.safetensors"), load_file(loaded / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     report = json.loads((streamed / "report.json").read_text())
@@ -35,6 +37,8 @@ def test_blockwise_job_saves_the_in_memory_model(saved_tiny, tmp_path, capsys):
     untimed = [{k: v for k, v in row.items() if not k.startswith("seconds")} for row in report["layers"]]
     loaded_rows = json.loads((loaded / "report.json").read_text())["layers"]
     assert untimed == [{k: v for k, v in row.items() if not k.startswith("seconds")} for row in loaded_rows]
+    q_proj = {row["sparsity"] for row in report["layers"] if row["name"].endswith("q_proj")}
+    assert len(q_proj) == (2 if flags else 1)  # OWL: each block its own budget
     for name in ("config.json", "tokenizer.json", "report.csv", "report.png", "config_sparseswaps.json"):
         assert (streamed / name).exists(), name
     assert not (streamed / STAGING_DIR).exists()
