@@ -886,6 +886,8 @@ def _load(model: nn.Module, source: CheckpointReader, mapping: dict[str, str], n
 
 def _block_options(
     model: nn.Module,
+    blocks: nn.ModuleList,
+    blocks_name: str,
     reader: CheckpointReader,
     mapping: dict[str, str],
     for_capture: list[str],
@@ -899,8 +901,7 @@ def _block_options(
     """:func:`~sparseswaps_prune.llm.pipeline.block_options` (OWL's budgets) of the model the skeleton ``model`` is
     read into: the tensors outside the blocks and block 0 are loaded for the capture, each block is read for its
     dense forward and dropped after, and the tensors outside the blocks are dropped at the end, so the model is
-    again the empty skeleton."""
-    blocks_name, blocks = find_blocks(model, options.blocks_path)
+    again the empty skeleton (``blocks``, ``blocks_name``: its decoder blocks and their path)."""
 
     @contextlib.contextmanager
     def loaded(index: int) -> Iterator[None]:
@@ -1077,8 +1078,8 @@ def prune_checkpoint(
     planned = [(name, state[name].dtype, tuple(state[name].shape)) for name in reader.save_order(model, list(mapping))]
     block_options = [options] * len(blocks)
     if options.sparsity_profile != "uniform":  # OWL's pre-pass reads every block once more, before anything is written
-        block_options = _block_options(model, reader, mapping, for_capture, block_keys, calib_tokens, options, device,
-                                   batch_size, progress)  # fmt: skip
+        block_options = _block_options(model, blocks, blocks_name, reader, mapping, for_capture, block_keys,
+                                       calib_tokens, options, device, batch_size, progress)  # fmt: skip
 
     resumed, state_dir = None, None
     if checkpoint_dir is not None:
