@@ -78,6 +78,16 @@ def options(args: argparse.Namespace):
     return PruneOptions(spec=spec, include=include, row_shards=args.row_shards[0], block_tune_epochs=0)
 
 
+def set_threads() -> None:
+    """Torch and numba (the swap search) each use ``OMP_NUM_THREADS`` threads (default 1) in this process: numba's
+    default is every core whatever ``OMP_NUM_THREADS`` says, which oversubscribes the cores with several ranks."""
+    import numba
+
+    threads = int(os.environ.get("OMP_NUM_THREADS", "1"))
+    torch.set_num_threads(threads)
+    numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+
+
 def child_memory(args: argparse.Namespace) -> dict:
     """In-memory path, as the job runs it."""
     from transformers import AutoModelForCausalLM
@@ -104,7 +114,7 @@ def child_memory(args: argparse.Namespace) -> dict:
 def _rank(rank: int, world_size: int, args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    set_threads()
     dist.init_process_group("gloo", init_method=f"file://{args.out}.rendezvous", rank=rank, world_size=world_size)
     try:
         report = _stream(args, distributed=True)
@@ -199,6 +209,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
+        set_threads()
         args.ranks = args.ranks[0]
         report = child_memory(args) if args.child == "memory" else child_stream(args)
         print(json.dumps(report))
@@ -213,7 +224,7 @@ def main() -> None:
     print(
         f"LLaMA-3.1-8B widths (hidden 4096, MLP 14336, heads 32/8), vocab {args.vocab}, {args.dtype}, random weights; "
         f"calibration {args.nsamples} x {args.seqlen}; weights=keep, max_iters={args.max_iters}; pruned: {pruned}; "
-        f"device {args.device}; OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}"
+        f"device {args.device}; threads per process (torch and numba) {os.environ.get('OMP_NUM_THREADS', '1')}"
     )
     print(f"one block: {block_bytes / GB:.3f} GB; GB = 1e9 bytes; peak = VmHWM since the call; +peak = peak - RSS at")
     print("the start of the call (after imports); x block = +peak / one block; identical = tensors equal to memory")
