@@ -81,11 +81,10 @@ def options(args: argparse.Namespace):
 def set_threads() -> None:
     """Torch and numba (the swap search) each use ``OMP_NUM_THREADS`` threads (default 1) in this process: numba's
     default is every core whatever ``OMP_NUM_THREADS`` says, which oversubscribes the cores with several ranks."""
-    import numba
+    from sparseswaps_prune.llm.distributed import match_numba_threads
 
-    threads = int(os.environ.get("OMP_NUM_THREADS", "1"))
-    torch.set_num_threads(threads)
-    numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    match_numba_threads()
 
 
 def child_memory(args: argparse.Namespace) -> dict:

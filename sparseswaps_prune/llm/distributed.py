@@ -68,6 +68,7 @@ __all__ = [
     "WindowShards",
     "WorkUnit",
     "init_from_env",
+    "match_numba_threads",
     "plan_work",
     "sum_shard_grams",
 ]
@@ -79,7 +80,9 @@ TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"
 def init_from_env(device: str | torch.device = "cpu") -> Ranks:
     """Initialise the default process group of a process launched by ``torchrun``: NCCL when ``device`` is a CUDA
     device (each process on GPU ``LOCAL_RANK``, made the current device, so ``"cuda"`` means it), gloo otherwise.
-    A group already initialised is used as it is.
+    A group already initialised is used as it is. On the CPU the numba swap search is limited to torch's thread
+    count (``OMP_NUM_THREADS``, which torchrun sets to 1 by default): numba would otherwise take every core in
+    every rank.
 
     Raises:
         ValueError: the process was not launched by torchrun (names the command).
@@ -96,8 +99,20 @@ def init_from_env(device: str | torch.device = "cpu") -> Ranks:
     cuda = torch.device(device).type == "cuda"
     if cuda:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    else:
+        match_numba_threads()
     dist.init_process_group("nccl" if cuda else "gloo")
     return Ranks.current()
+
+
+def match_numba_threads() -> int:
+    """Limit numba's threads (the CPU swap search) to ``torch.get_num_threads()`` and return the count: several
+    processes on one machine then share its cores as their torch threads do."""
+    import numba
+
+    threads = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
+    numba.set_num_threads(threads)
+    return threads
 
 
 # The default fewest rows of a row shard (plan_work; PruneOptions.row_shards=n sets it): smaller pieces are hardly

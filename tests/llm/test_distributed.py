@@ -24,7 +24,7 @@ from sparseswaps_prune.core.spec import build_spec
 from sparseswaps_prune.llm import pipeline
 from sparseswaps_prune.llm.capture import BlockInputs, capture_block_inputs
 from sparseswaps_prune.llm.checkpoint import CheckpointMismatch
-from sparseswaps_prune.llm.distributed import WindowShards, WorkUnit, plan_work, sum_shard_grams
+from sparseswaps_prune.llm.distributed import WindowShards, WorkUnit, init_from_env, plan_work, sum_shard_grams
 from sparseswaps_prune.llm.job import JobConfig
 from sparseswaps_prune.llm.layers import find_blocks
 from sparseswaps_prune.llm.models import tiny_model
@@ -467,3 +467,30 @@ def test_non_separable_spec_prunes_whole_layers_and_equals_one_process(row_shard
     assert len(calls) == 2 * 7 and all(rows in (32, 64, 128) for _, rows in calls)
     names = {name: rows for name, rows in calls}
     assert names["model.layers.0.mlp.up_proj"] == 128 and names["model.layers.0.self_attn.k_proj"] == 32
+
+
+def test_init_from_env_limits_numba_to_the_torch_threads(monkeypatch):
+    """torchrun sets OMP_NUM_THREADS (1 by default); numba's swap search would take every core in every rank."""
+    import socket
+
+    import numba
+    import torch.distributed as dist
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    torch_threads, numba_threads = torch.get_num_threads(), numba.get_num_threads()
+    numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
+    torch.set_num_threads(1)
+    try:
+        ranks = init_from_env("cpu")
+        assert (ranks.rank, ranks.world_size) == (0, 1)
+        assert numba.get_num_threads() == 1
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        torch.set_num_threads(torch_threads)
+        numba.set_num_threads(numba_threads)
