@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from pathlib import Path
 from types import ModuleType
 
 import pytest
+import torch
+
+from sparseswaps_prune.llm.streaming import SafetensorsCheckpoint
 
 
 @contextlib.contextmanager
@@ -29,3 +33,9 @@ def crash_on_call(
         patch.setattr(module, name, crashing)
         with pytest.raises(error):
             yield
+
+
+def saved_tensors(directory: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the safetensors checkpoint saved in ``directory`` (one file or sharded with an index)."""
+    reader = SafetensorsCheckpoint(directory)
+    return reader.read(reader.files)

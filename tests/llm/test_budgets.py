@@ -21,8 +21,8 @@ from sparseswaps_prune.llm.job import JobConfig
 from sparseswaps_prune.llm.layers import find_blocks
 from sparseswaps_prune.llm.models import tiny_model
 from sparseswaps_prune.llm.pipeline import PruneOptions, block_options, finalize, prune_model
-from sparseswaps_prune.llm.streaming import SafetensorsCheckpoint, prune_checkpoint
-from tests.llm.helpers import crash_on_call
+from sparseswaps_prune.llm.streaming import prune_checkpoint
+from tests.llm.helpers import crash_on_call, saved_tensors
 
 N_BLOCKS = 4
 
@@ -138,11 +138,6 @@ def test_refusals_name_the_option_before_anything_is_modified(tmp_path):
     JobConfig(prune=owl(), distributed=True).validate()  # OWL goes with ranks and with the block-wise path
 
 
-def saved_outputs(directory) -> dict[str, torch.Tensor]:
-    reader = SafetensorsCheckpoint(directory)
-    return reader.read(reader.files)
-
-
 def test_blockwise_owl_equals_in_memory_and_resumes(tmp_path):
     """The block-wise path reads each block once more for OWL's pre-pass: same budgets, same saved tensors and
     reports as the in-memory path; a call stopped after block 1 resumes to the same files."""
@@ -160,14 +155,14 @@ def test_blockwise_owl_equals_in_memory_and_resumes(tmp_path):
     streamed = stream("stream")
     assert list(map(timeless, streamed.layers)) == list(map(timeless, expected.layers))
     assert len({r.sparsity for r in streamed.layers if r.name.endswith("q_proj")}) == N_BLOCKS  # own budgets
-    mem, out = saved_outputs(tmp_path / "mem"), saved_outputs(tmp_path / "stream")
+    mem, out = saved_tensors(tmp_path / "mem"), saved_tensors(tmp_path / "stream")
     assert mem.keys() == out.keys() and all(torch.equal(mem[k], v) for k, v in out.items())
 
     with crash_on_call(pipeline, "_process_block", 3):
         stream("resumed", checkpoint_dir=tmp_path / "ckpt")
     resumed = stream("resumed", checkpoint_dir=tmp_path / "ckpt")
     assert list(map(timeless, resumed.layers)) == list(map(timeless, expected.layers))
-    again = saved_outputs(tmp_path / "resumed")
+    again = saved_tensors(tmp_path / "resumed")
     assert all(torch.equal(mem[k], v) for k, v in again.items())
 
 
@@ -210,7 +205,7 @@ def test_two_gloo_ranks_with_owl_equal_one_process(tmp_path):
         assert list(map(timeless, got["layers"])) == list(map(timeless, expected.layers))
         assert list(map(timeless, got["stream_layers"])) == list(map(timeless, expected.layers))
     reference.save_pretrained(tmp_path / "mem")
-    mem, out = saved_outputs(tmp_path / "mem"), saved_outputs(tmp_path / "stream")
+    mem, out = saved_tensors(tmp_path / "mem"), saved_tensors(tmp_path / "stream")
     assert mem.keys() == out.keys() and all(torch.equal(mem[k], v) for k, v in out.items())
 
 

@@ -29,7 +29,8 @@ from sparseswaps_prune.llm.job import JobConfig
 from sparseswaps_prune.llm.layers import find_blocks
 from sparseswaps_prune.llm.models import tiny_model
 from sparseswaps_prune.llm.pipeline import PruneOptions, finalize, prune_model
-from sparseswaps_prune.llm.streaming import SafetensorsCheckpoint, prune_checkpoint
+from sparseswaps_prune.llm.streaming import prune_checkpoint
+from tests.llm.helpers import saved_tensors
 
 SHARD = "1MB"
 N_CALIB, N_HOLDOUT = 7, 4  # in batches of 2: the last calibration batch is short
@@ -172,11 +173,6 @@ def _shards_worker(rank: int, world_size: int, tmp: str, shards: int, batch: int
         dist.destroy_process_group()
 
 
-def tensors(directory: Path) -> dict[str, torch.Tensor]:
-    reader = SafetensorsCheckpoint(directory)
-    return reader.read(reader.files)
-
-
 @pytest.mark.parametrize(
     ("world_size", "shards", "batch", "stream"),
     [(1, 2, 2, False), (2, 2, 2, True), (2, 4, 1, False)],  # 2 ranks x 2 shards each, at batch 1
@@ -209,7 +205,7 @@ def test_ranks_with_shards_equal_one_process_with_the_same_shards(tmp_path, worl
             assert (out["files"] != []) == (rank == 0)
     if stream:
         model.save_pretrained(tmp_path / "one", max_shard_size=SHARD)
-        one, streamed = tensors(tmp_path / "one"), tensors(tmp_path / "stream")
+        one, streamed = saved_tensors(tmp_path / "one"), saved_tensors(tmp_path / "stream")
         assert one.keys() == streamed.keys() and all(torch.equal(one[k], v) for k, v in streamed.items())
 
 
@@ -294,7 +290,7 @@ def test_torchrun_job_equals_one_process(saved_tiny, tmp_path):
     two = _cli([*args, "--distributed", "--out", str(tmp_path / "two")], tmp_path, ranks=2)
     assert two.returncode == 0, two.stderr
     assert two.stdout.count("final layer loss") == 1  # rank 0 alone reports
-    a, b = tensors(tmp_path / "one"), tensors(tmp_path / "two")
+    a, b = saved_tensors(tmp_path / "one"), saved_tensors(tmp_path / "two")
     assert a.keys() == b.keys() and all(torch.equal(a[k], v) for k, v in b.items())
     report_a, report_b = (json.loads((tmp_path / d / "report.json").read_text()) for d in ("one", "two"))
     timeless_totals = [{k: v for k, v in r["totals"].items() if k != "seconds"} for r in (report_a, report_b)]

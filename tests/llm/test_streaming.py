@@ -20,8 +20,9 @@ from sparseswaps_prune.llm.checkpoint import CheckpointMismatch
 from sparseswaps_prune.llm.distributed import plan_work
 from sparseswaps_prune.llm.models import tiny_model
 from sparseswaps_prune.llm.pipeline import PruneOptions, finalize, prune_model
-from sparseswaps_prune.llm.streaming import SafetensorsCheckpoint, ShardedWriter, prune_checkpoint
+from sparseswaps_prune.llm.streaming import ShardedWriter, prune_checkpoint
 from sparseswaps_prune.modules import PrunableLayer
+from tests.llm.helpers import saved_tensors
 
 SHARD = "1MB"  # the tiny models' embeddings (12.6 MB) get shards of their own, the blocks share one
 
@@ -30,14 +31,9 @@ def calib(n: int = 2, seqlen: int = 12, seed: int = 0) -> torch.Tensor:
     return torch.randint(3, 3000, (n, seqlen), generator=torch.Generator().manual_seed(seed))
 
 
-def tensors(directory: Path) -> dict[str, torch.Tensor]:
-    reader = SafetensorsCheckpoint(directory)
-    return reader.read(reader.files)
-
-
 def assert_same_checkpoint(a: Path, b: Path) -> None:
     """Same tensors (names, dtypes, bits), same shard layout and config."""
-    ta, tb = tensors(a), tensors(b)
+    ta, tb = saved_tensors(a), saved_tensors(b)
     assert ta.keys() == tb.keys()
     for key in ta:
         assert ta[key].dtype == tb[key].dtype and torch.equal(ta[key], tb[key]), key
@@ -137,7 +133,7 @@ def test_one_block_in_memory_at_a_time_and_report(tmp_path, monkeypatch):
     files = sorted(os.listdir(tmp_path / "out"))
     assert sorted(result.files) == files
     assert report["bytes_written"] == sum((tmp_path / "out" / name).stat().st_size for name in files)
-    assert report["bytes_read"] == sum(t.numel() * t.element_size() for t in tensors(source).values())
+    assert report["bytes_read"] == sum(t.numel() * t.element_size() for t in saved_tensors(source).values())
     block = tiny_model("llama").model.layers[0]
     assert report["block_bytes"] == sum(p.numel() * 4 for p in block.parameters())
     assert report["embedding_bytes"] == 49152 * 64 * 4 + 64 * 4  # embeddings + final norm
@@ -163,7 +159,7 @@ def test_single_file_checkpoint_other_files_and_stale_shards(tmp_path):
     )
     assert (out / "tokenizer.json").read_text() == '{"made": "by the test"}'
     model, _ = in_memory(source, tmp_path / "mem", options, torch.float32)
-    saved = tensors(out)
+    saved = saved_tensors(out)
     for key, value in model.state_dict().items():
         if key != "lm_head.weight":  # tied to the embeddings: saved once
             assert torch.equal(saved[key], value), key
@@ -208,7 +204,7 @@ def test_sharded_writer_any_order_and_incomplete(tmp_path):
     ]
     index = json.loads((tmp_path / "w" / "model.safetensors.index.json").read_text())
     assert index["weight_map"]["a.weight"] == files[0] and index["weight_map"]["d.count"] == files[1]
-    back = tensors(tmp_path / "w")
+    back = saved_tensors(tmp_path / "w")
     assert back.keys() == data.keys() and all(
         torch.equal(back[k], v) and back[k].dtype == v.dtype for k, v in data.items()
     )
