@@ -75,7 +75,7 @@ def options(args: argparse.Namespace):
 
     include = None if args.all_layers else args.include
     spec = build_spec(max_iters=args.max_iters, weights="keep")
-    return PruneOptions(spec=spec, include=include, row_shards=args.row_shards[0], block_tune_epochs=0)
+    return PruneOptions(spec=spec, include=include, row_shards=args.row_shards, block_tune_epochs=0)
 
 
 def set_threads() -> None:
@@ -209,7 +209,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.child:
         set_threads()
-        args.ranks = args.ranks[0]
+        args.ranks, args.row_shards = args.ranks[0], args.row_shards[0]
         report = child_memory(args) if args.child == "memory" else child_stream(args)
         print(json.dumps(report))
         return
