@@ -13,7 +13,7 @@ import torch
 
 from sparseswaps_prune.core.gram import GramAccumulator
 from sparseswaps_prune.core.spec import DEFAULT_SPEC, DSnoTRefine, PruneSpec, SwapRefine, build_spec
-from sparseswaps_prune.llm.block_tune import BLOCK_TUNE_EPOCHS, BLOCK_TUNE_LR
+from sparseswaps_prune.llm.block_tune import BLOCK_TUNE_EPOCHS, BLOCK_TUNE_LR, BLOCK_TUNE_SCHEDULE
 from sparseswaps_prune.llm.data import load_calibration
 from sparseswaps_prune.llm.layers import find_blocks
 from sparseswaps_prune.llm.models import load_model
@@ -81,11 +81,12 @@ _OPTION_TYPES: dict[str, Callable[[str], Any]] = {
     "owl_lambda": float,
     "tune": int,
     "tune_lr": float,
+    "tune_schedule": str,
 }
 # setting options that are pipeline options (PruneOptions fields), not a layer's spec: setting name -> field
 _PIPELINE_OPTIONS = {
     "profile": "sparsity_profile", "owl_m": "owl_m", "owl_lambda": "owl_lambda", "tune": "block_tune_epochs",
-    "tune_lr": "block_tune_lr",
+    "tune_lr": "block_tune_lr", "tune_schedule": "block_tune_schedule",
 }  # fmt: skip
 _WEIGHT_NAMES = {"start": "start weights", "admm_update": "admm update", "alps_update": "alps update"}
 
@@ -149,7 +150,8 @@ def setting_spec(setting: dict[str, Any], pattern: str, max_iters: int) -> Prune
 def setting_options(setting: dict[str, Any], pattern: str, max_iters: int) -> PruneOptions:
     """The pipeline options of one setting at one pattern: :func:`setting_spec` of its spec options, and its
     pipeline options (``profile``: ``PruneOptions.sparsity_profile``, ``owl_m``, ``owl_lambda``; ``tune``:
-    ``block_tune_epochs``, 0 unless given, ``tune_lr``: ``block_tune_lr``), validated."""
+    ``block_tune_epochs``, 0 unless given, ``tune_lr``: ``block_tune_lr``, ``tune_schedule``: ``block_tune_schedule``),
+    validated."""
     fields = {"block_tune_epochs": 0}
     fields |= {_PIPELINE_OPTIONS[key]: value for key, value in setting.items() if key in _PIPELINE_OPTIONS}
     spec = setting_spec({k: v for k, v in setting.items() if k not in _PIPELINE_OPTIONS}, pattern, max_iters)
@@ -197,6 +199,7 @@ def options_label(options: PruneOptions) -> str:
     if options.block_tune_epochs:
         text += f" -> block tune {options.block_tune_epochs}"
         text += "" if options.block_tune_lr == BLOCK_TUNE_LR else f" lr {options.block_tune_lr:g}"
+        text += "" if options.block_tune_schedule == BLOCK_TUNE_SCHEDULE else f" {options.block_tune_schedule}"
     if options.sparsity_profile == "uniform":
         return text
     return f"{text}, {options.sparsity_profile} M={options.owl_m:g} lambda={options.owl_lambda:g}"

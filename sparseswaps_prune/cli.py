@@ -29,7 +29,7 @@ from sparseswaps_prune.core.spec import (
     WEIGHTS,
     build_spec,
 )
-from sparseswaps_prune.llm.block_tune import BLOCK_TUNE_EPOCHS, BLOCK_TUNE_LR
+from sparseswaps_prune.llm.block_tune import BLOCK_TUNE_EPOCHS, BLOCK_TUNE_LR, BLOCK_TUNE_SCHEDULE, SCHEDULES
 
 if TYPE_CHECKING:
     from sparseswaps_prune.llm.job import JobConfig
@@ -77,7 +77,7 @@ def job_config(args: argparse.Namespace) -> JobConfig:
 
 
 _PROFILE_FIELDS = ("sparsity_profile", "owl_m", "owl_lambda")
-_TUNE_FIELDS = ("block_tune_epochs", "block_tune_lr")
+_TUNE_FIELDS = ("block_tune_epochs", "block_tune_lr", "block_tune_schedule")
 PUBLISHED_RECIPES = ("paper", "wanda", "sparsegpt", "admm", "alps")
 """``--recipe`` names that reproduce a published method: they run without block tuning unless
 ``--block-tune-epochs`` is given (``default`` and ``alps-swaps`` tune)."""
@@ -288,6 +288,10 @@ def _add_prune_options(p: argparse.ArgumentParser) -> None:
         f"inputs; the published recipes paper, wanda, sparsegpt, admm, alps: 0) (default {BLOCK_TUNE_EPOCHS})",
     )  # fmt: skip
     tune.add_argument("--block-tune-lr", type=float, help=f"Adam's learning rate (default {BLOCK_TUNE_LR:g})")
+    tune.add_argument(
+        "--block-tune-schedule", choices=SCHEDULES,
+        help=f"learning-rate schedule; cosine decays it to 0 over all steps (default {BLOCK_TUNE_SCHEDULE})",
+    )  # fmt: skip
 
     layers = p.add_argument_group("layers")
     layers.add_argument("--include", nargs="+", help="fnmatch patterns of layer names to prune (default: all)")

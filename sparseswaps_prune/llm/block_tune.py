@@ -20,6 +20,7 @@ weight decay leaves them unchanged.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -31,18 +32,34 @@ from sparseswaps_prune.core.checks import check_int, check_number
 from sparseswaps_prune.llm.capture import BlockInputs, call_block
 from sparseswaps_prune.modules import PrunableLayer
 
-__all__ = ["BLOCK_TUNE_EPOCHS", "BLOCK_TUNE_LR", "BlockTuneReport", "check_tune", "tune_block"]
+__all__ = [
+    "BLOCK_TUNE_EPOCHS", "BLOCK_TUNE_LR", "BLOCK_TUNE_SCHEDULE", "SCHEDULES", "BlockTuneReport", "check_tune",
+    "step_lr", "tune_block",
+]  # fmt: skip
 
 BLOCK_TUNE_EPOCHS = 10  # the default of PruneOptions.block_tune_epochs and of sparseswaps prune --block-tune-epochs
 BLOCK_TUNE_LR = 1e-3  # the default of PruneOptions.block_tune_lr and of --block-tune-lr
+BLOCK_TUNE_SCHEDULE = "constant"  # the default of PruneOptions.block_tune_schedule and of --block-tune-schedule
+SCHEDULES = ("constant", "cosine")
 
 
-def check_tune(epochs: int, lr: float) -> None:
-    """Raise ``ValueError``/``TypeError`` naming ``block_tune_epochs`` (an int >= 0) or ``block_tune_lr`` (> 0)."""
+def check_tune(epochs: int, lr: float, schedule: str = BLOCK_TUNE_SCHEDULE) -> None:
+    """Raise ``ValueError``/``TypeError`` naming ``block_tune_epochs`` (an int >= 0), ``block_tune_lr`` (> 0) or
+    ``block_tune_schedule`` (one of :data:`SCHEDULES`)."""
     check_int(epochs, "block_tune_epochs (--block-tune-epochs; 0: no block tuning)", low=0)
     check_number(lr, "block_tune_lr (--block-tune-lr)", low=0.0)
     if lr <= 0:
         raise ValueError(f"block_tune_lr (--block-tune-lr) must be > 0, got {lr!r}")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"block_tune_schedule (--block-tune-schedule) must be one of {SCHEDULES}, got {schedule!r}")
+
+
+def step_lr(lr: float, schedule: str, step: int, steps: int) -> float:
+    """Learning rate of Adam step ``step`` (0-based) of ``steps``: ``lr`` (``"constant"``), or ``lr`` decayed along
+    a half cosine towards 0, ``lr * (1 + cos(pi * step / steps)) / 2`` (``"cosine"``, per step, no warm-up)."""
+    if schedule == "constant":
+        return lr
+    return lr * 0.5 * (1.0 + math.cos(math.pi * step / steps))
 
 
 @dataclass
@@ -93,6 +110,7 @@ def tune_block(
     epochs: int,
     lr: float,
     device: torch.device,
+    schedule: str = BLOCK_TUNE_SCHEDULE,
 ) -> BlockTuneReport:
     """Tune the kept weights of ``layers`` (pruned, with ``weight_orig``/``weight_mask``) so that ``block`` maps
     ``inputs`` to ``targets``; modifies their ``weight_orig`` in place (pruned entries unchanged).
@@ -104,8 +122,9 @@ def tune_block(
         targets: the dense block's outputs on the dense model's inputs, same keys and windows as ``inputs``.
         index: the block's index (for the report).
         epochs: passes over the calibration batches, one Adam step per batch.
-        lr: Adam's learning rate.
+        lr: Adam's (initial) learning rate.
         device: where the block runs.
+        schedule: ``"constant"`` or ``"cosine"`` (:func:`step_lr`, over all ``epochs`` x batches steps).
 
     Returns:
         :class:`BlockTuneReport`.
@@ -134,8 +153,13 @@ def tune_block(
         for param in params:
             param.requires_grad_(True)
         optimizer = torch.optim.Adam(params, lr=lr)
+        fit = inputs["fit"]
+        steps, step = epochs * math.ceil(fit.num_samples / fit.batch_size), 0
         for epoch in range(1, epochs + 1):
-            for hidden, kwargs, wanted in _pairs(inputs["fit"], targets["fit"], device):
+            for hidden, kwargs, wanted in _pairs(fit, targets["fit"], device):
+                for group in optimizer.param_groups:
+                    group["lr"] = step_lr(lr, schedule, step, steps)
+                step += 1
                 with torch.enable_grad():
                     out = call_block(block, hidden, kwargs).float()
                     wanted = wanted.float()

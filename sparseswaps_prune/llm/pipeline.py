@@ -30,8 +30,8 @@ from sparseswaps_prune.core.checks import check_budget, check_device, check_keep
 from sparseswaps_prune.core.gram import GramAccumulator
 from sparseswaps_prune.core.layer import LayerOutcome, prune_layer
 from sparseswaps_prune.core.spec import DEFAULT_SPEC, Budget, DSnoTRefine, PruneSpec
-from sparseswaps_prune.llm import checkpoint, offload
-from sparseswaps_prune.llm.block_tune import BLOCK_TUNE_EPOCHS, BLOCK_TUNE_LR, BlockTuneReport, check_tune, tune_block
+from sparseswaps_prune.llm import block_tune, checkpoint, offload
+from sparseswaps_prune.llm.block_tune import BlockTuneReport, check_tune, tune_block
 from sparseswaps_prune.llm.budgets import BlockLoader, owl_block_sparsities
 from sparseswaps_prune.llm.capture import BlockInputs, capture_block_inputs
 from sparseswaps_prune.llm.checkpoint import STREAMS, dense_key
@@ -82,6 +82,7 @@ class PruneOptions:
             weights; those equal one process's only where the ranks' backward passes round as one process does (the
             same number of threads per process).
         block_tune_lr: Adam's learning rate for block tuning (> 0).
+        block_tune_schedule: its learning-rate schedule, ``"constant"`` or ``"cosine"`` (decayed to 0 over all steps).
     """
 
     spec: PruneSpec = DEFAULT_SPEC
@@ -94,8 +95,9 @@ class PruneOptions:
     sparsity_profile: str = "uniform"
     owl_m: float = OWL_M
     owl_lambda: float = OWL_LAMBDA
-    block_tune_epochs: int = BLOCK_TUNE_EPOCHS
-    block_tune_lr: float = BLOCK_TUNE_LR
+    block_tune_epochs: int = block_tune.BLOCK_TUNE_EPOCHS
+    block_tune_lr: float = block_tune.BLOCK_TUNE_LR
+    block_tune_schedule: str = block_tune.BLOCK_TUNE_SCHEDULE
 
     def validate(self) -> None:
         """Raise ``ValueError``/``TypeError`` naming the bad option."""
@@ -114,7 +116,7 @@ class PruneOptions:
             raise ValueError(f"sparsity_profile must be one of {PROFILES}, got {self.sparsity_profile!r}")
         check_owl_m(self.owl_m)
         check_number(self.owl_lambda, "owl_lambda", low=0.0)
-        check_tune(self.block_tune_epochs, self.block_tune_lr)
+        check_tune(self.block_tune_epochs, self.block_tune_lr, self.block_tune_schedule)
         if self.sparsity_profile == "owl" and self.spec.budget.nm is not None:
             raise ValueError(
                 f"sparsity_profile='owl' gives each block its own sparsity, but the budget is "
@@ -137,6 +139,7 @@ class PruneOptions:
         text = self.spec.describe()
         if self.block_tune_epochs:
             text += f" -> block tune {self.block_tune_epochs} epochs lr {self.block_tune_lr:g}"
+            text += "" if self.block_tune_schedule == block_tune.BLOCK_TUNE_SCHEDULE else f" {self.block_tune_schedule}"
         if self.sparsity_profile == "uniform":
             return text
         head, sep, tail = text.partition(":")
@@ -149,8 +152,8 @@ class PruneOptions:
     @classmethod
     def from_dict(cls, data: dict) -> PruneOptions:
         """Inverse of :meth:`to_dict`; a dict written before block tuning existed had none (``block_tune_epochs``
-        0), whatever the current default."""
-        data = {"block_tune_epochs": 0} | dict(data)
+        0), whatever the current default, and one written before its schedule existed a constant learning rate."""
+        data = {"block_tune_epochs": 0, "block_tune_schedule": block_tune.BLOCK_TUNE_SCHEDULE} | dict(data)
         return cls(spec=PruneSpec.from_dict(data.pop("spec")), **data)
 
 
@@ -523,7 +526,7 @@ def _process_block(
         if targets and layers:
             tuned = tune_block(
                 block, layers, streams, targets, index=index, epochs=options.block_tune_epochs,
-                lr=options.block_tune_lr, device=device,
+                lr=options.block_tune_lr, device=device, schedule=options.block_tune_schedule,
             )  # fmt: skip
             if ranks is not None:  # every rank tuned on all windows; rank 0's weights are the ones every rank keeps
                 tuned, weights = ranks.broadcast(

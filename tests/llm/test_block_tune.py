@@ -12,7 +12,7 @@ import torch
 
 from sparseswaps_prune.core.spec import build_spec
 from sparseswaps_prune.llm import pipeline
-from sparseswaps_prune.llm.block_tune import relative_error, tune_block
+from sparseswaps_prune.llm.block_tune import relative_error, step_lr, tune_block
 from sparseswaps_prune.llm.capture import capture_block_inputs
 from sparseswaps_prune.llm.job import JobConfig
 from sparseswaps_prune.llm.layers import find_blocks
@@ -77,6 +77,35 @@ def test_without_held_out_windows_every_epoch_runs():
     block, layers, inputs, targets = pruned_block(holdout=False)
     report = tune_block(block, layers, inputs, targets, index=3, epochs=2, lr=1e-3, device=torch.device("cpu"))
     assert (report.block, report.best_epoch, report.holdout_before, report.holdout_after) == (3, 2, None, None)
+
+
+def test_cosine_schedule_decays_the_rate_to_zero_over_all_steps():
+    assert [step_lr(2e-3, "constant", t, 4) for t in range(4)] == [2e-3] * 4
+    assert [step_lr(2e-3, "cosine", t, 4) for t in range(5)] == pytest.approx([2e-3, 1.7071e-3, 1e-3, 2.929e-4, 0.0],
+                                                                              rel=1e-4)  # fmt: skip
+
+
+def test_cosine_schedule_is_what_tuning_steps_with(monkeypatch):
+    """Each Adam step runs with step_lr's rate (4 windows in batches of 2, 3 epochs: 6 steps), and the tuned
+    weights differ from a constant rate's."""
+    from sparseswaps_prune.llm import block_tune
+
+    rates = []
+    step = torch.optim.Adam.step
+
+    def spy(self, *args, **kwargs):
+        rates.append(self.param_groups[0]["lr"])
+        return step(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.Adam, "step", spy)
+    tuned = {}
+    for schedule in block_tune.SCHEDULES:
+        block, layers, inputs, targets = pruned_block(holdout=False)
+        rates.clear()
+        tune_block(block, layers, inputs, targets, index=0, epochs=3, lr=1e-3, device="cpu", schedule=schedule)
+        assert rates == [step_lr(1e-3, schedule, t, 6) for t in range(6)]
+        tuned[schedule] = layers[0].module.weight_orig.detach().clone()
+    assert not torch.equal(tuned["constant"], tuned["cosine"])
 
 
 def test_unpruned_layer_is_named():
@@ -147,6 +176,15 @@ def test_resume_with_other_tuning_is_refused(tmp_path):
 def test_bad_tuning_options_are_named(epochs, lr, match):
     with pytest.raises((TypeError, ValueError), match=match):
         PruneOptions(block_tune_epochs=epochs, block_tune_lr=lr).validate()
+    with pytest.raises(ValueError, match=r"block_tune_schedule.*cosine"):
+        PruneOptions(block_tune_schedule="linear").validate()
+
+
+def test_options_written_before_the_schedule_existed_read_as_constant():
+    data = PruneOptions(block_tune_schedule="cosine").to_dict()
+    assert PruneOptions.from_dict(data).block_tune_schedule == "cosine"
+    del data["block_tune_schedule"]
+    assert PruneOptions.from_dict(data) == PruneOptions()
 
 
 def test_tuning_with_split_windows_across_ranks_is_refused():

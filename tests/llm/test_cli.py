@@ -69,6 +69,10 @@ def test_cli_and_python_defaults_build_the_same_job():
     tune = job_config(build_parser().parse_args(["prune", "--out", "x", "--block-tune-epochs", "3", "--block-tune-lr",
                                                  "0.002"]))  # fmt: skip
     assert tune == JobConfig(prune=PruneOptions(block_tune_epochs=3, block_tune_lr=0.002))
+    cosine = job_config(build_parser().parse_args(["prune", "--out", "x", "--block-tune-schedule", "cosine"]))
+    assert cosine == JobConfig(prune=PruneOptions(block_tune_schedule="cosine"))
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["prune", "--out", "x", "--block-tune-schedule", "linear"])
     assert PruneOptions().block_tune_epochs == BLOCK_TUNE_EPOCHS == 10  # block tuning is part of the default
     assert main(["prune", "--block-tune-epochs", "-1", "--out", "x"]) == 2
 
