@@ -5,7 +5,10 @@ re-fit engine (the torch reference and, on the CPU, the compiled numba engine): 
 state (Cholesky of G_SS + lambda I, H, v, r, s and Z = H G[S, P]: O(k^2 (d_in - k))) and of one re-fit iteration
 (the pair scan, then the updates of the applied swaps), against a least-squares re-fit of the same mask
 (refit_weights) and one mask-only iteration (best_swaps on the default backend, then the float64 c update), plus
-the state's memory per row. Figures go to BENCHMARKS.md only from a quiet machine.
+the state's memory per row, and the floor of this design: the Cholesky factor ``L`` of ``G_SS + lambda I`` and the
+Schur complement ``s_p = G_pp + lambda - ||L^{-1} G[S, p]||^2`` of every pruned ``p`` (one triangular solve against
+all of ``G[S, P]``, ``k^2 (d_in - k)`` flops), which the pair scan's bound ``dF >= -r_p^2 / s_p`` needs before it can
+skip any column. Figures go to BENCHMARKS.md only from a quiet machine.
 
     python benchmarks/refit_swaps.py [--device cpu] [--widths 576 1536 4096] [--rows 8] [--iters 8] [--threads N]
 """
@@ -21,7 +24,7 @@ import torch
 from sparseswaps_prune.core.backends import best_swaps, resolve_backend
 from sparseswaps_prune.core.losses import correlation
 from sparseswaps_prune.core.refine import RefitRows
-from sparseswaps_prune.core.refit import damping, refit_weights
+from sparseswaps_prune.core.refit import damping, factor_kept, refit_weights
 from sparseswaps_prune.core.warmstart import warmstart_mask
 
 
@@ -52,13 +55,25 @@ def timed(fn, repeat: int = 3) -> float:
     return (time.perf_counter() - start) / repeat
 
 
+def schur_floor(weight: torch.Tensor, gram: torch.Tensor, keep: torch.Tensor, lam: float) -> torch.Tensor:
+    """``[R, Q]`` Schur complements ``s_p`` of every row's pruned inputs from the Cholesky factor of its kept
+    system: what any state with the scan's bound must compute (float64)."""
+    d = keep.shape[1]
+    k_slots = int(keep.sum(1).max())
+    kept, kept_ok, factor = factor_kept(gram, keep, lam, k_slots)
+    pruned = torch.sort(keep.to(torch.int8), dim=1, stable=True).indices[:, : d - int(keep.sum(1).min())]
+    cross = gram[torch.where(kept_ok, kept, 0)[:, :, None], pruned[:, None, :]] * kept_ok[:, :, None]
+    half = torch.linalg.solve_triangular(factor, cross, upper=False)  # L^-1 G[S, P]
+    return torch.diagonal(gram)[pruned] + lam - half.square().sum(dim=1)
+
+
 def measure(
     d_in: int, n_rows: int, device: str, damp: float, search: str, iters: int
-) -> tuple[int, float, dict[str, tuple[float, float]], float, float]:
+) -> tuple[int, float, dict[str, tuple[float, float]], float, float, float]:
     """``(k, state MiB per row, {engine: (build s/row, iteration s/row)}, least-squares re-fit s/row, mask-only
-    iteration s/row)`` for one width. An iteration is the pair scan of every row plus the updates of the applied
-    swaps, averaged over ``iters`` iterations after one warm-up iteration (the compiled engine folds its pending
-    terms every few moves)."""
+    iteration s/row, floor s/row)`` for one width. An iteration is the pair scan of every row plus the updates of
+    the applied swaps, averaged over ``iters`` iterations after one warm-up iteration (the compiled engine folds its
+    pending terms every few moves)."""
     weight, gram, keep = problem(d_in, n_rows, device)
     k = int(keep.sum(1).max())
     q = d_in - k
@@ -96,8 +111,9 @@ def measure(
         return corr + weight.gather(1, u[:, None]) * gram[u] - weight.gather(1, p[:, None]) * gram[p]
 
     mask_it = timed(mask_iteration)
+    floor = timed(lambda: schur_floor(weight, gram, keep, lam), repeat=1)
     mib = (k * k + k * q) * 8 / 2**20
-    return k, mib, figures, ls / n_rows, mask_it / n_rows
+    return k, mib, figures, ls / n_rows, mask_it / n_rows, floor / n_rows
 
 
 def main() -> None:
@@ -117,15 +133,15 @@ def main() -> None:
     )
     print(
         f"{'d_in':>5} {'k':>5} {'state MiB/row':>13} {'engine':>6} {'build s/row':>11} {'refit it s/row':>14} "
-        f"{'ls re-fit s/row':>15} {'mask it s/row':>13}"
+        f"{'ls re-fit s/row':>15} {'mask it s/row':>13} {'floor s/row':>11}"
     )
     search = resolve_backend("auto", torch.device(args.device), None)
     for d_in in args.widths:
-        k, mib, figures, ls, mask_it = measure(d_in, args.rows, args.device, args.damp, search, args.iters)
+        k, mib, figures, ls, mask_it, floor = measure(d_in, args.rows, args.device, args.damp, search, args.iters)
         for engine, (build, refit_it) in figures.items():
             print(
                 f"{d_in:>5} {k:>5} {mib:>13.1f} {engine:>6} {build:>11.3e} {refit_it:>14.3e} {ls:>15.3e} "
-                f"{mask_it:>13.3e}"
+                f"{mask_it:>13.3e} {floor:>11.3e}"
             )
 
 

@@ -4,11 +4,27 @@ from __future__ import annotations
 
 import math
 
+import torch
+
+from sparseswaps_prune.core import refit_swaps as rs
+
 
 def test_measure_times_both_engines(benchmark_script):
     bench = benchmark_script("refit_swaps")
-    k, mib, figures, ls, mask_it = bench.measure(24, 3, "cpu", 0.01, "torch", iters=2)
+    k, mib, figures, ls, mask_it, floor = bench.measure(24, 3, "cpu", 0.01, "torch", iters=2)
     assert k == 10  # 60% of 24 pruned per row (round(14.4) = 14)
     assert math.isclose(mib, (k * k + k * (24 - k)) * 8 / 2**20)
     assert set(figures) == {"torch", "numba"}
-    assert all(t > 0 for pair in figures.values() for t in pair) and ls > 0 and mask_it > 0
+    assert all(t > 0 for pair in figures.values() for t in pair) and ls > 0 and mask_it > 0 and floor > 0
+
+
+def test_the_floor_computes_the_states_schur_complements(benchmark_script):
+    """The floor times work the state needs: its s_p equal the engine's (same pruned order)."""
+    bench = benchmark_script("refit_swaps")
+    weight, gram, keep = bench.problem(40, 4, "cpu")
+    keep[0, :3] = ~keep[0, :3]  # rows with different kept counts
+    lam = 0.01 * float(torch.diagonal(gram).mean())
+    counts = keep.sum(1)
+    state = rs.build_state(weight, keep, gram, lam, int(counts.max()), int((40 - counts).max()))
+    floor = bench.schur_floor(weight, gram, keep, lam)
+    assert torch.allclose(torch.where(state.pruned_ok, floor, 1.0), state.schur, rtol=1e-9)
