@@ -154,7 +154,7 @@ def tune_block(
             param.requires_grad_(True)
         optimizer = torch.optim.Adam(params, lr=lr)
         fit = inputs["fit"]
-        steps, step = epochs * math.ceil(fit.num_samples / fit.batch_size), 0
+        steps, step = epochs * fit.num_batches, 0
         for epoch in range(1, epochs + 1):
             for hidden, kwargs, wanted in _pairs(fit, targets["fit"], device):
                 for group in optimizer.param_groups:
