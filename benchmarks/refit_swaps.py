@@ -25,6 +25,7 @@ from sparseswaps_prune.core.backends import best_swaps, resolve_backend
 from sparseswaps_prune.core.losses import correlation
 from sparseswaps_prune.core.refine import RefitRows
 from sparseswaps_prune.core.refit import damping, factor_kept, refit_weights
+from sparseswaps_prune.core.refit_swaps import pruned_slots
 from sparseswaps_prune.core.warmstart import warmstart_mask
 
 
@@ -58,10 +59,9 @@ def timed(fn, repeat: int = 3) -> float:
 def schur_floor(weight: torch.Tensor, gram: torch.Tensor, keep: torch.Tensor, lam: float) -> torch.Tensor:
     """``[R, Q]`` Schur complements ``s_p`` of every row's pruned inputs from the Cholesky factor of its kept
     system: what any state with the scan's bound must compute (float64)."""
-    d = keep.shape[1]
-    k_slots = int(keep.sum(1).max())
-    kept, kept_ok, factor = factor_kept(gram, keep, lam, k_slots)
-    pruned = torch.sort(keep.to(torch.int8), dim=1, stable=True).indices[:, : d - int(keep.sum(1).min())]
+    counts = keep.sum(1)
+    kept, kept_ok, factor = factor_kept(gram, keep, lam, int(counts.max()))
+    pruned, _ = pruned_slots(keep, keep.shape[1] - int(counts.min()))
     cross = gram[torch.where(kept_ok, kept, 0)[:, :, None], pruned[:, None, :]] * kept_ok[:, :, None]
     half = torch.linalg.solve_triangular(factor, cross, upper=False)  # L^-1 G[S, P]
     return torch.diagonal(gram)[pruned] + lam - half.square().sum(dim=1)

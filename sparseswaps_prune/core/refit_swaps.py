@@ -82,6 +82,15 @@ class RefitState:
             getattr(self, f.name)[rows] = getattr(other, f.name)
 
 
+def pruned_slots(keep: torch.Tensor, n_pruned_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pruned slots of every row of ``keep`` (``[R, d]`` bool kept mask, not modified): ``[R, Q]`` int64 its pruned
+    inputs ascending (0 at vacant slots) and ``[R, Q]`` bool, the slot holds a pruned input."""
+    d = keep.shape[1]
+    pruned = torch.sort(keep.to(torch.int8), dim=1, stable=True).indices[:, :n_pruned_slots]  # pruned first
+    pruned_ok = torch.arange(n_pruned_slots, device=keep.device) < (d - keep.sum(dim=1))[:, None]
+    return torch.where(pruned_ok, pruned, 0), pruned_ok
+
+
 def build_state(
     w64: torch.Tensor,
     keep: torch.Tensor,
@@ -106,16 +115,10 @@ def build_state(
     Raises:
         ValueError: ``G_SS + lambda I`` is not positive definite for some rows (names them; raise ``damp``).
     """
-    d = keep.shape[1]
     dev = w64.device
-    q_slots = n_pruned_slots
-    counts = keep.sum(dim=1)
     kept, kept_ok, factor = factor_kept(gram64, keep, lam, n_kept_slots, row_offset=row_offset)
     kept = torch.where(kept_ok, kept, 0)
-    # pruned inputs first (ascending), then the kept ones
-    pruned = torch.sort(keep.to(torch.int8), dim=1, stable=True).indices[:, :q_slots]
-    pruned_ok = torch.arange(q_slots, device=dev) < (d - counts)[:, None]
-    pruned = torch.where(pruned_ok, pruned, 0)
+    pruned, pruned_ok = pruned_slots(keep, n_pruned_slots)
 
     pair_ok = kept_ok[:, :, None] & kept_ok[:, None, :]
     eye = torch.eye(n_kept_slots, dtype=torch.float64, device=dev)

@@ -35,6 +35,7 @@ import torch
 
 from sparseswaps_prune.core.backends.numba_search import min_key64
 from sparseswaps_prune.core.refit import factor_kept
+from sparseswaps_prune.core.refit_swaps import pruned_slots
 
 # Pending rank-one terms per row before they are folded into H0 and Z0 (two per move).
 FACTOR_SLOTS = 16
@@ -382,19 +383,15 @@ class NumbaRefitState:
             ValueError: ``G_SS + lambda I`` is not positive definite for some rows (names them; raise ``damp``).
         """
         k_slots, q_slots = self.slots
-        d = self.gram64.shape[0]
         chunk = max(1, BUILD_ELEMENTS // max(1, k_slots * q_slots))
         names = rows + row_offset if isinstance(row_offset, int) else row_offset
         diag = torch.diagonal(self.gram64)
         for c0 in range(0, rows.numel(), chunk):
             sub = rows[c0 : c0 + chunk]
             keep = self.keep[sub]
-            counts = keep.sum(dim=1)
             kept, kept_ok, factor = factor_kept(self.gram64, keep, self.lam, k_slots, row_offset=names[c0 : c0 + chunk])
             kept = torch.where(kept_ok, kept, 0)
-            pruned = torch.sort(keep.to(torch.int8), dim=1, stable=True).indices[:, :q_slots]
-            pruned_ok = torch.arange(q_slots) < (d - counts)[:, None]
-            pruned = torch.where(pruned_ok, pruned, 0)
+            pruned, pruned_ok = pruned_slots(keep, q_slots)
             inv = torch.cholesky_inverse(factor) * (kept_ok[:, :, None] & kept_ok[:, None, :])
             target = self.w64[sub] @ self.gram64
             rhs = torch.where(kept_ok, target.gather(1, kept), 0.0)[:, :, None]
