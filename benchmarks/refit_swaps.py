@@ -1,7 +1,8 @@
 """Re-fit-objective swap speed: state construction and one iteration per row batch, against the mask-only search.
 
 For each width d_in at 60% per-row sparsity (Wanda warmstart on a random correlated layer), prints per row and per
-re-fit engine (the torch reference and, on the CPU, the compiled numba engine): the time to build the float64 re-fit
+re-fit engine (the torch reference and, on the CPU, the compiled numba engine, on CUDA the fused Triton kernels;
+``same``: the engine applied the reference's swaps in every timed iteration): the time to build the float64 re-fit
 state (Cholesky of G_SS + lambda I, H, v, r, s and Z = H G[S, P]: O(k^2 (d_in - k))) and of one re-fit iteration
 (the pair scan, then the updates of the applied swaps), against a least-squares re-fit of the same mask
 (refit_weights) and one mask-only iteration (best_swaps on the default backend, then the float64 c update), plus
@@ -21,7 +22,7 @@ import time
 
 import torch
 
-from sparseswaps_prune.core.backends import best_swaps, resolve_backend
+from sparseswaps_prune.core.backends import best_swaps, resolve_backend, triton_available
 from sparseswaps_prune.core.losses import correlation
 from sparseswaps_prune.core.refine import RefitRows
 from sparseswaps_prune.core.refit import damping, factor_kept, refit_weights
@@ -69,8 +70,9 @@ def schur_floor(weight: torch.Tensor, gram: torch.Tensor, keep: torch.Tensor, la
 
 def measure(
     d_in: int, n_rows: int, device: str, damp: float, search: str, iters: int
-) -> tuple[int, float, dict[str, tuple[float, float]], float, float, float]:
-    """``(k, state MiB per row, {engine: (build s/row, iteration s/row)}, least-squares re-fit s/row, mask-only
+) -> tuple[int, float, dict[str, tuple[float, float, bool]], float, float, float]:
+    """``(k, state MiB per row, {engine: (build s/row, iteration s/row, same masks as the torch engine)},
+    least-squares re-fit s/row, mask-only
     iteration s/row, floor s/row)`` for one width. An iteration is the pair scan of every row plus the updates of
     the applied swaps, averaged over ``iters`` iterations after one warm-up iteration (the compiled engine folds its
     pending terms every few moves)."""
@@ -79,8 +81,8 @@ def measure(
     q = d_in - k
     lam = damping(gram, damp)
     rows = torch.arange(n_rows, device=weight.device)
-    engines = ["torch", "numba"] if weight.device.type == "cpu" else ["torch"]
-    figures = {}
+    engines = ["torch", "numba"] if weight.device.type == "cpu" else ["torch"] + ["triton"] * triton_available()
+    figures, masks = {}, {}
     for engine in engines:
 
         def build(engine: str = engine) -> RefitRows:
@@ -100,7 +102,9 @@ def measure(
         for _ in range(iters):
             iteration()
         _sync()
-        figures[engine] = (build_s / n_rows, (time.perf_counter() - start) / iters / n_rows)
+        masks[engine] = model.keep
+        same = torch.equal(model.keep, masks["torch"])
+        figures[engine] = (build_s / n_rows, (time.perf_counter() - start) / iters / n_rows, same)
     ls = timed(lambda: refit_weights(weight, gram, keep, damp=damp), repeat=1)
     w32, g32 = weight.float(), gram.float()
     corr = correlation(weight, gram, keep)
@@ -133,15 +137,15 @@ def main() -> None:
     )
     print(
         f"{'d_in':>5} {'k':>5} {'state MiB/row':>13} {'engine':>6} {'build s/row':>11} {'refit it s/row':>14} "
-        f"{'ls re-fit s/row':>15} {'mask it s/row':>13} {'floor s/row':>11}"
+        f"{'ls re-fit s/row':>15} {'mask it s/row':>13} {'floor s/row':>11} {'same':>4}"
     )
     search = resolve_backend("auto", torch.device(args.device), None)
     for d_in in args.widths:
         k, mib, figures, ls, mask_it, floor = measure(d_in, args.rows, args.device, args.damp, search, args.iters)
-        for engine, (build, refit_it) in figures.items():
+        for engine, (build, refit_it, same) in figures.items():
             print(
                 f"{d_in:>5} {k:>5} {mib:>13.1f} {engine:>6} {build:>11.3e} {refit_it:>14.3e} {ls:>15.3e} "
-                f"{mask_it:>13.3e} {floor:>11.3e}"
+                f"{mask_it:>13.3e} {floor:>11.3e} {'yes' if same else 'NO':>4}"
             )
 
 

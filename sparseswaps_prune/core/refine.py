@@ -15,7 +15,9 @@ Row models (one per objective):
   :class:`~sparseswaps_prune.core.refit_swaps.RefitState` and its exact rank-one updates (``engine="torch"``, the
   reference, any device), or the compiled CPU engine
   :class:`~sparseswaps_prune.core.backends.refit_numba.NumbaRefitState` (``engine="numba"``: the same state with
-  lazy low-rank updates, restore vectors from the Gram and a pair scan that skips pruned inputs by an exact bound).
+  lazy low-rank updates, restore vectors from the Gram and a pair scan that skips pruned inputs by an exact bound),
+  or on CUDA the torch state with the pair scan and the ``[R, K, Q]`` updates fused into Triton kernels
+  (``engine="triton"``, :mod:`~sparseswaps_prune.core.backends.refit_triton`).
 
 Planners (one per scope):
 
@@ -233,9 +235,10 @@ class MaskRows:
 
 class RefitRows:
     """Re-fit-objective row model of ``N`` rows: one :class:`~sparseswaps_prune.core.refit_swaps.RefitState`
-    (``engine="torch"``) or :class:`~sparseswaps_prune.core.backends.refit_numba.NumbaRefitState`
-    (``engine="numba"``, CPU); handles = slots. Both engines choose the same swaps (the float64 argmin, ties to the
-    smallest input indices).
+    (``engine="torch"``, or ``"triton"``: the same state through the fused kernels of
+    :mod:`~sparseswaps_prune.core.backends.refit_triton`) or
+    :class:`~sparseswaps_prune.core.backends.refit_numba.NumbaRefitState` (``engine="numba"``, CPU); handles = slots.
+    The engines choose the same swaps (the float64 argmin, ties to the smallest input indices).
 
     Attributes:
         keep: ``[N, d]`` bool mask, updated in place.
@@ -267,7 +270,8 @@ class RefitRows:
             cross: rows will trade weights (layer scope): every row gets a spare kept and pruned slot (more are
                 added when needed), and the whole state must fit in ``LAYER_STATE_BYTES``.
             row_index: ``[N]`` int64 layer indices of the rows, for error messages (default ``0 .. N - 1``).
-            engine: ``"torch"`` (the reference, any device) or ``"numba"`` (compiled, CPU tensors only).
+            engine: ``"torch"`` (the reference, any device), ``"numba"`` (compiled, CPU tensors only) or
+                ``"triton"`` (fused kernels, CUDA tensors, or CPU ones in the Triton interpreter).
 
         Raises:
             ValueError: a singular ``G_SS + lambda I`` (names the rows), or (``cross``) a state over
@@ -286,6 +290,11 @@ class RefitRows:
             )
         self.w64, self.keep, self.gram64, self.lam, self.m = w64, keep, gram64, lam, m
         self.row_batch, self.numba = row_batch, engine == "numba"
+        self.scan, self.ops = rs.scan_swaps, rs.TORCH_OPS
+        if engine == "triton":
+            from sparseswaps_prune.core.backends import refit_triton
+
+            self.scan, self.ops = refit_triton.scan_swaps, refit_triton.TRITON_OPS
         self.row_index = (torch.arange(rows) if row_index is None else row_index.cpu()).to(w64.device)
         self.pivot_floor = rs.pivot_floor(gram64, lam)
         self.rounding = rs.ACCEPT_RTOL * ((w64 @ gram64) * w64).sum(dim=1)
@@ -295,8 +304,9 @@ class RefitRows:
         elif cross or rows > row_batch:  # fill a preallocated (contiguous) state, row batch by row batch
             self.state = _empty_state(rows, self.k_slots, self.q_slots, w64.device)
             self.resync(torch.arange(rows, device=w64.device))
-        else:  # one row batch: build it in one go, no copy
+        else:  # one row batch: build it in one go (contiguous for the kernels)
             self.state = rs.build_state(w64, keep, gram64, lam, self.k_slots, self.q_slots, row_offset=self.row_index)
+            self.state.z, self.state.inv = self.state.z.contiguous(), self.state.inv.contiguous()
         self.fitted_before = self.fitted()
 
     def resync(self, rows: torch.Tensor) -> None:
@@ -320,7 +330,7 @@ class RefitRows:
             if cross:
                 out += [*self.state.best_removals(rows), *self.state.best_additions(rows)]
             return Figures(*out)
-        out = list(rs.scan_swaps(self.state, self.w64, rows, self.pivot_floor, self.m))
+        out = list(self.scan(self.state, self.w64, rows, self.pivot_floor, self.m))
         if cross:
             out += [
                 *rs.best_removals(self.state, rows),
@@ -350,7 +360,7 @@ class RefitRows:
         if self.numba:
             u, p = self.state.swap(rows, slot_i, slot_j)
         else:
-            u, p = rs.swap_slots(self.state, rows, slot_i, slot_j, self.gram64)
+            u, p = rs.swap_slots(self.state, rows, slot_i, slot_j, self.gram64, self.ops)
         self.keep[rows, u] = False
         self.keep[rows, p] = True
         if cross is None:
@@ -360,7 +370,7 @@ class RefitRows:
         if self.numba:
             u = self.state.remove(rows, slot_i, vacant)
         else:
-            incoming = rs.remove_kept(self.state, rows, slot_i)
+            incoming = rs.remove_kept(self.state, rows, slot_i, self.ops)
             rs.place_pruned(self.state, rows, vacant, incoming)
             u = incoming[0]
         self.keep[rows, u] = False
@@ -369,7 +379,7 @@ class RefitRows:
         if self.numba:
             self.state.add(receivers, slot_j, vacant)
         else:
-            rs.add_pruned(self.state, receivers, slot_j, vacant, self.gram64)
+            rs.add_pruned(self.state, receivers, slot_j, vacant, self.gram64, ops=self.ops)
         self.keep[receivers, p] = True
 
     def fitted(self) -> torch.Tensor:
@@ -536,8 +546,9 @@ def refine_mask(
         backend: swap search of the mask objective: ``"auto"`` (compiled numba kernel on CPU, fused Triton kernel
             on CUDA when triton is installed, torch elsewhere), ``"torch"``, ``"numba"`` or ``"triton"``. The
             re-fit objective: ``"auto"`` and ``"numba"`` run its compiled CPU engine
-            (:mod:`~sparseswaps_prune.core.backends.refit_numba`) on the CPU, ``"torch"`` (and ``"auto"`` off the
-            CPU, and ``"triton"``) its torch reference; both choose the same swaps.
+            (:mod:`~sparseswaps_prune.core.backends.refit_numba`) on the CPU, ``"auto"`` and ``"triton"`` its fused
+            Triton kernels (:mod:`~sparseswaps_prune.core.backends.refit_triton`) on CUDA when triton is installed,
+            ``"torch"`` (and ``"auto"`` elsewhere) its torch reference; all choose the same swaps.
         resync_every: rebuild the float64 state (correlation vectors; for the re-fit objective ``H``, ``v``, ``Z``,
             by Cholesky) of the rows that moved from scratch every this many iterations.
         objective: ``"mask"``: minimise the loss of the mask with the original weights, ``r^T G r``.

@@ -33,7 +33,9 @@ This module holds the state and its exact updates; the iteration loop that drive
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, fields
+from typing import NamedTuple
 
 import torch
 
@@ -241,13 +243,35 @@ def _add_rows(target: torch.Tensor, rows: torch.Tensor, src: torch.Tensor) -> No
         target[r].add_(src[i])
 
 
+def add_outer(target: torch.Tensor, rows: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``target[rows[n]] += a[n, :, None] * b[n, None, :]`` in place (``target`` ``[R, A, B]``, distinct ``rows``)."""
+    _add_rows(target, rows, a[:, :, None] * b[:, None, :])
+
+
+def row_vecmat(z: torch.Tensor, rows: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """``[n, Q]`` ``g[n] @ z[rows[n]]`` for ``z`` ``[R, K, Q]`` and ``g`` ``[n, K]`` (neither modified)."""
+    return torch.bmm(g[:, None, :], z[rows]).squeeze(1)
+
+
+class UpdateOps(NamedTuple):
+    """The two ``[R, K, Q]``-sized operations of a swap's state update: :func:`add_outer` and :func:`row_vecmat`
+    (these torch ones, or the fused kernels of :mod:`~sparseswaps_prune.core.backends.refit_triton`)."""
+
+    add_outer: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+    vecmat: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+TORCH_OPS = UpdateOps(add_outer, row_vecmat)
+
+
 Incoming = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
-def remove_kept(state: RefitState, rows: torch.Tensor, slot: torch.Tensor) -> Incoming:
+def remove_kept(state: RefitState, rows: torch.Tensor, slot: torch.Tensor, ops: UpdateOps = TORCH_OPS) -> Incoming:
     """Prune the input in kept slot ``slot[n]`` of each row ``rows[n]`` (distinct rows), in place.
 
-    Downdates ``H``, ``v``, ``Z``, ``r``, ``s`` (``O(k (d_in - k) + k^2)`` per row) and vacates the slot. Returns the
+    Downdates ``H``, ``v``, ``Z``, ``r``, ``s`` (``O(k (d_in - k) + k^2)`` per row; the ``[n, K, K]`` and
+    ``[n, K, Q]`` updates through ``ops``) and vacates the slot. Returns the
     pruned input's new pruned-slot entries ``(u, Z[:, u], r_u, s_u)`` = ``(u, -H[:, u] / H_uu, v_u / H_uu, 1 / H_uu)``
     for :func:`place_pruned` or :func:`add_pruned`.
     """
@@ -257,9 +281,9 @@ def remove_kept(state: RefitState, rows: torch.Tensor, slot: torch.Tensor) -> In
     ratio = state.coef[rows, slot] / h_uu
     z_row = state.z[rows, slot, :]  # [n, Q]
     scaled = h / -h_uu[:, None]
-    _add_rows(state.inv, rows, h[:, :, None] * scaled[:, None, :])
+    ops.add_outer(state.inv, rows, h, scaled)
     state.coef[rows] -= h * ratio[:, None]
-    _add_rows(state.z, rows, scaled[:, :, None] * z_row[:, None, :])
+    ops.add_outer(state.z, rows, scaled, z_row)
     state.resid[rows] += z_row * ratio[:, None]
     state.schur[rows] += z_row * z_row / h_uu[:, None]
     state.inv[rows, slot, :] = 0.0
@@ -290,12 +314,14 @@ def add_pruned(
     dest: torch.Tensor,
     gram64: torch.Tensor,
     incoming: Incoming | None = None,
+    ops: UpdateOps = TORCH_OPS,
 ) -> None:
     """Restore the input in pruned slot ``slot`` of each row into vacant kept slot ``dest``, in place.
 
     Block-inverse update of ``H`` with the pivot ``s_p`` and rank-one updates of ``v``, ``Z``, ``r``, ``s``
-    (``O(k (d_in - k) + k^2)`` per row). With ``incoming`` (a swap) the input pruned by :func:`remove_kept` takes
-    over the pruned slot; otherwise the slot is vacated.
+    (``O(k (d_in - k) + k^2)`` per row; the ``[n, K, K]`` and ``[n, K, Q]`` ones through ``ops``). With
+    ``incoming`` (a swap) the input pruned by :func:`remove_kept` takes over the pruned slot; otherwise the slot is
+    vacated.
     """
     ar = torch.arange(rows.numel(), device=rows.device)
     y = state.z[rows, :, slot]  # [n, K] Z[:, p] (zero at the vacant dest)
@@ -310,12 +336,12 @@ def add_pruned(
     gram_p = gram64[p]  # [n, d]
     kept_ok = state.kept_ok[rows]
     g_kept = torch.where(kept_ok, gram_p.gather(1, state.kept[rows]), 0.0)
-    t = gram_p.gather(1, state.pruned[rows]) - torch.bmm(g_kept[:, None, :], state.z[rows]).squeeze(1)
+    t = gram_p.gather(1, state.pruned[rows]) - ops.vecmat(state.z, rows, g_kept)
     t = torch.where(state.pruned_ok[rows], t, 0.0)  # t_q = G_pq - G[p, S] Z[:, q]
     y[ar, dest] = -1.0
-    _add_rows(state.inv, rows, y[:, :, None] * (y / pivot[:, None])[:, None, :])
+    ops.add_outer(state.inv, rows, y, y / pivot[:, None])
     state.coef[rows] -= y * ratio[:, None]
-    _add_rows(state.z, rows, (y / -pivot[:, None])[:, :, None] * t[:, None, :])
+    ops.add_outer(state.z, rows, y / -pivot[:, None], t)
     state.resid[rows] -= t * ratio[:, None]
     state.schur[rows] -= t * t / pivot[:, None]
     state.kept[rows, dest] = p
@@ -323,15 +349,20 @@ def add_pruned(
 
 
 def swap_slots(
-    state: RefitState, rows: torch.Tensor, slot_i: torch.Tensor, slot_j: torch.Tensor, gram64: torch.Tensor
+    state: RefitState,
+    rows: torch.Tensor,
+    slot_i: torch.Tensor,
+    slot_j: torch.Tensor,
+    gram64: torch.Tensor,
+    ops: UpdateOps = TORCH_OPS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Swap kept slot ``slot_i`` and pruned slot ``slot_j`` of each row (prune ``u``, restore ``p``), in place.
 
     Returns the inputs ``(u, p)`` ``[n]``.
     """
     p = state.pruned[rows, slot_j]
-    incoming = remove_kept(state, rows, slot_i)
-    add_pruned(state, rows, slot_j, slot_i, gram64, incoming)
+    incoming = remove_kept(state, rows, slot_i, ops)
+    add_pruned(state, rows, slot_j, slot_i, gram64, incoming, ops)
     return incoming[0], p
 
 

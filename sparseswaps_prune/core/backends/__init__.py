@@ -13,7 +13,8 @@ smallest ``p``. Backends search only; :mod:`sparseswaps_prune.core.refine` appli
 * N:M always uses the block-local torch search (``O(d_in * m)`` per row).
 
 The re-fit objective has its own engines (:func:`resolve_refit_backend`): the torch reference
-(:mod:`~sparseswaps_prune.core.refit_swaps`) and the compiled CPU engine :mod:`.refit_numba`.
+(:mod:`~sparseswaps_prune.core.refit_swaps`), the compiled CPU engine :mod:`.refit_numba` and the fused CUDA
+kernels :mod:`.refit_triton`.
 """
 
 from __future__ import annotations
@@ -64,13 +65,19 @@ def resolve_backend(backend: str, device: torch.device, nm: tuple[int, int] | No
 
 def resolve_refit_backend(backend: str, device: torch.device) -> str:
     """Engine of the re-fit objective: ``"numba"`` (compiled, :mod:`.refit_numba`) for ``auto`` and ``numba`` on the
-    CPU, ``"torch"`` (the reference, :mod:`~sparseswaps_prune.core.refit_swaps`) otherwise; ``numba`` off the CPU is
-    an error. Both engines choose the same swaps."""
+    CPU; ``"triton"`` (fused kernels, :mod:`.refit_triton`) for ``auto`` on CUDA when triton is installed and for
+    ``triton`` (off CUDA only in the interpreter, as :func:`resolve_backend`); ``"torch"`` (the reference,
+    :mod:`~sparseswaps_prune.core.refit_swaps`) otherwise. ``numba`` off the CPU is an error. All engines choose the
+    same swaps."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown swap-search backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     if backend == "numba" and device.type != "cpu":
         raise ValueError(f"backend='numba' runs on the CPU only, but the refinement device is {device}")
-    return "numba" if backend in ("auto", "numba") and device.type == "cpu" else "torch"
+    if backend in ("auto", "numba") and device.type == "cpu":
+        return "numba"
+    if backend == "triton" or (backend == "auto" and device.type == "cuda" and triton_available()):
+        return resolve_backend("triton", device, None)  # the same availability checks and errors
+    return "torch"
 
 
 def best_swaps(

@@ -1,0 +1,274 @@
+"""The re-fit objective's CUDA engine: the torch state of :mod:`~sparseswaps_prune.core.refit_swaps` with its
+``[R, K, Q]`` and ``[R, K, K]`` passes fused into Triton kernels (CPU only through the Triton interpreter,
+``TRITON_INTERPRET=1``, for testing).
+
+The torch reference spends an iteration in elementwise passes over the state ``Z`` (``[R, K, Q]`` float64, 51 MiB
+per row at ``d_in = 4096``): the pair scan builds ten ``[n, K, Q]`` temporaries, and each rank-one update of ``Z``
+and ``H`` materialises its outer product before adding it. Here
+
+* :func:`scan_swaps` reads ``Z`` once: one program owns a row and a range of pruned slots, evaluates the pair
+  costs ``v_u^2 / H_uu - (r_p + Z_up v_u / H_uu)^2 / (s_p + Z_up^2 / H_uu)`` tile by tile in registers with the
+  reference's operations in the reference's order, compiled without fused multiply-add
+  (``enable_fp_fusion=False``), so the costs are bit-identical to :func:`refit_swaps.scan_swaps`; it keeps the
+  minimum and, on ties, the smallest input-index key ``u * d + p``, the reference's tie rule;
+* :func:`add_outer` adds ``a b^T`` to the rows' ``Z`` or ``H`` in one read and write (``t + a * b``, again without
+  fused multiply-add, so bit-identical to the reference's ``index_add_`` of the materialised product);
+* :func:`row_vecmat` forms ``G[p, S] Z`` of a restore without gathering the rows' ``Z`` (a float64 sum in its own
+  order, so it may differ from the reference's ``bmm`` in the last bits; the engines are tested to choose the same
+  swaps).
+
+The state build (Cholesky, triangular solves) stays in torch. Swap application: :func:`refit_swaps.swap_slots` etc.
+with ``ops=TRITON_OPS``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from sparseswaps_prune.core.refit_swaps import RefitState, UpdateOps, restorable
+
+# (BLOCK_K, BLOCK_Q, num_warps) of the scan: 16 float64 costs per thread.
+SCAN_TILE = (16, 128, 4)
+# (BLOCK_A, BLOCK_B, num_warps) of the rank-one update: 16 float64 elements per thread.
+OUTER_TILE = (32, 128, 8)
+# (BLOCK_K, BLOCK_Q, num_warps) of the vector-matrix product.
+VECMAT_TILE = (32, 128, 4)
+# Programs aimed for per streaming multiprocessor when splitting a row's pruned slots.
+PROGRAMS_PER_SM = 4
+_NO_KEY = torch.iinfo(torch.long).max
+
+
+@triton.jit
+def _scan_kernel(
+    z_ptr,
+    rows_ptr,
+    ratio_ptr,
+    h_ptr,
+    remove_ptr,
+    kept_ptr,
+    kept_ok_ptr,
+    resid_ptr,
+    schur_ptr,
+    pruned_ptr,
+    pruned_ok_ptr,
+    floor_ptr,
+    out_val_ptr,
+    out_key_ptr,
+    K,
+    Q,
+    d,
+    tiles_per_split,
+    n_split,
+    M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+):
+    """Row ``i`` of the scan, pruned slots of split ``split``: the smallest cost and its smallest key (``M``: the
+    N:M block size, 0 for none)."""
+    i = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    row = tl.load(rows_ptr + i)
+    z_row = z_ptr + row * K * Q
+    inf = float("inf")
+    no_key = 9223372036854775807
+    best = tl.full([], inf, tl.float64)
+    best_key = tl.full([], no_key, tl.int64)
+    q_begin = split * tiles_per_split * BLOCK_Q
+    q_end = tl.minimum(Q, q_begin + tiles_per_split * BLOCK_Q)
+    for q0 in range(q_begin, q_end, BLOCK_Q):
+        q_idx = q0 + tl.arange(0, BLOCK_Q)
+        q_in = q_idx < q_end
+        resid = tl.load(resid_ptr + i * Q + q_idx, mask=q_in, other=0.0)
+        schur = tl.load(schur_ptr + i * Q + q_idx, mask=q_in, other=1.0)
+        pruned = tl.load(pruned_ptr + i * Q + q_idx, mask=q_in, other=0)
+        floor = tl.load(floor_ptr + i * Q + q_idx, mask=q_in, other=0.0)
+        q_ok = q_in & (tl.load(pruned_ok_ptr + i * Q + q_idx, mask=q_in, other=0) != 0)
+        for k0 in range(0, K, BLOCK_K):
+            k_idx = k0 + tl.arange(0, BLOCK_K)
+            k_in = k_idx < K
+            ratio = tl.load(ratio_ptr + i * K + k_idx, mask=k_in, other=0.0)
+            h = tl.load(h_ptr + i * K + k_idx, mask=k_in, other=1.0)
+            remove = tl.load(remove_ptr + i * K + k_idx, mask=k_in, other=0.0)
+            kept = tl.load(kept_ptr + i * K + k_idx, mask=k_in, other=0)
+            k_ok = k_in & (tl.load(kept_ok_ptr + i * K + k_idx, mask=k_in, other=0) != 0)
+            ok = k_ok[:, None] & q_ok[None, :]
+            z = tl.load(z_row + k_idx[:, None].to(tl.int64) * Q + q_idx[None, :], mask=ok, other=0.0)
+            # the reference's operations in its order (no fma: enable_fp_fusion=False at launch)
+            pivot = z * z / h[:, None] + schur[None, :]
+            t = z * ratio[:, None] + resid[None, :]
+            cost = remove[:, None] - t * t / pivot
+            ok = ok & (pivot > floor[None, :])
+            if M > 0:
+                ok = ok & ((kept // M)[:, None] == (pruned // M)[None, :])
+            cost = tl.where(ok, cost, inf)
+            key = kept[:, None] * d + pruned[None, :]
+            tile_best = tl.min(tl.min(cost, axis=1), axis=0)
+            tile_key = tl.min(tl.min(tl.where(cost == tile_best, key, no_key), axis=1), axis=0)
+            better = (tile_best < best) | ((tile_best == best) & (tile_key < best_key))
+            best = tl.where(better, tile_best, best)
+            best_key = tl.where(better, tile_key, best_key)
+    tl.store(out_val_ptr + i * n_split + split, best)
+    tl.store(out_key_ptr + i * n_split + split, best_key)
+
+
+@triton.jit
+def _outer_kernel(t_ptr, rows_ptr, a_ptr, b_ptr, A, B, BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr):
+    """``t[rows[i], a-tile, b-tile] += a[i, :, None] * b[i, None, :]``."""
+    i = tl.program_id(0).to(tl.int64)
+    a_idx = tl.program_id(1) * BLOCK_A + tl.arange(0, BLOCK_A)
+    b_idx = tl.program_id(2) * BLOCK_B + tl.arange(0, BLOCK_B)
+    a_in, b_in = a_idx < A, b_idx < B
+    a = tl.load(a_ptr + i * A + a_idx, mask=a_in, other=0.0)
+    b = tl.load(b_ptr + i * B + b_idx, mask=b_in, other=0.0)
+    ptrs = t_ptr + tl.load(rows_ptr + i) * A * B + a_idx[:, None].to(tl.int64) * B + b_idx[None, :]
+    ok = a_in[:, None] & b_in[None, :]
+    tl.store(ptrs, tl.load(ptrs, mask=ok, other=0.0) + a[:, None] * b[None, :], mask=ok)
+
+
+@triton.jit
+def _vecmat_kernel(z_ptr, rows_ptr, g_ptr, out_ptr, K, Q, BLOCK_K: tl.constexpr, BLOCK_Q: tl.constexpr):
+    """``out[i, q-tile] = sum_k g[i, k] z[rows[i], k, q-tile]``."""
+    i = tl.program_id(0).to(tl.int64)
+    q_idx = tl.program_id(1) * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    q_in = q_idx < Q
+    z_row = z_ptr + tl.load(rows_ptr + i) * K * Q
+    acc = tl.zeros([BLOCK_Q], tl.float64)
+    for k0 in range(0, K, BLOCK_K):
+        k_idx = k0 + tl.arange(0, BLOCK_K)
+        k_in = k_idx < K
+        g = tl.load(g_ptr + i * K + k_idx, mask=k_in, other=0.0)
+        ok = k_in[:, None] & q_in[None, :]
+        z = tl.load(z_row + k_idx[:, None].to(tl.int64) * Q + q_idx[None, :], mask=ok, other=0.0)
+        acc += tl.sum(g[:, None] * z, axis=0)
+    tl.store(out_ptr + i * Q + q_idx, acc, mask=q_in)
+
+
+def _check_contiguous(t: torch.Tensor, name: str) -> None:
+    """The kernels address a state tensor as contiguous ``[R, A, B]`` float64."""
+    if t.dtype != torch.float64 or not t.is_contiguous():
+        raise ValueError(f"{name} needs a contiguous float64 state tensor, got {t.dtype} with strides {t.stride()}")
+
+
+def _n_split(n: int, n_tiles: int, device: torch.device) -> int:
+    """Splits of a row's pruned-slot tiles: enough programs to fill the GPU (one in the interpreter)."""
+    if device.type != "cuda":
+        return 1
+    target = PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(n_tiles, -(-target // max(1, n))))
+
+
+def scan_swaps(
+    state: RefitState,
+    w64: torch.Tensor,
+    rows: torch.Tensor,
+    pivot_floor: torch.Tensor,
+    m: int | None = None,
+    *,
+    q_splits: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Best swap of every row in ``rows``: the contract, costs and tie rule of :func:`refit_swaps.scan_swaps`.
+
+    Args:
+        state: the batch state (not modified; its ``z`` must be contiguous); w64: ``[R, d]`` float64 weights.
+        rows: ``[n]`` int64 rows of the batch to scan.
+        pivot_floor: ``[d]`` smallest admissible new pivot per input; m: N:M block size, or None.
+        q_splits: programs a row's pruned slots are split across (default: enough to fill the GPU).
+
+    Returns:
+        ``dF`` ``[n]`` float64 (``+inf`` where no feasible pair), kept slot ``i`` and pruned slot ``j`` ``[n]``
+        int64 (0 and 0 where no pair). Extra memory: ``[n, K]`` and ``[n, Q]`` terms only.
+    """
+    n = rows.numel()
+    _, k_slots, q_slots = state.z.shape
+    d = w64.shape[1]
+    dev = w64.device
+    best = torch.full((n,), float("inf"), dtype=torch.float64, device=dev)
+    slot_i = torch.zeros(n, dtype=torch.long, device=dev)
+    slot_j = torch.zeros_like(slot_i)
+    if n == 0 or k_slots == 0 or q_slots == 0:
+        return best, slot_i, slot_j
+    _check_contiguous(state.z, "scan_swaps")
+    kept, kept_ok, pruned = state.kept[rows], state.kept_ok[rows], state.pruned[rows]
+    h_safe = torch.where(kept_ok, torch.diagonal(state.inv, dim1=1, dim2=2)[rows], 1.0)
+    ratio = state.coef[rows] / h_safe  # v_u / H_uu, as the reference
+    remove = state.coef[rows] * ratio  # v_u^2 / H_uu
+    pruned_ok = restorable(state, w64, rows)
+    block_k, block_q, num_warps = SCAN_TILE
+    n_tiles = triton.cdiv(q_slots, block_q)
+    n_split = _n_split(n, n_tiles, dev) if q_splits is None else max(1, min(n_tiles, q_splits))
+    tiles_per_split = triton.cdiv(n_tiles, n_split)
+    n_split = triton.cdiv(n_tiles, tiles_per_split)
+    part_val = torch.empty(n, n_split, dtype=torch.float64, device=dev)
+    part_key = torch.empty(n, n_split, dtype=torch.long, device=dev)
+    _scan_kernel[(n, n_split)](
+        state.z,
+        rows.contiguous(),
+        ratio.contiguous(),
+        h_safe.contiguous(),
+        remove.contiguous(),
+        kept.contiguous(),
+        kept_ok.to(torch.int8).contiguous(),
+        state.resid[rows].contiguous(),
+        state.schur[rows].contiguous(),
+        pruned.contiguous(),
+        pruned_ok.to(torch.int8).contiguous(),
+        pivot_floor[pruned].contiguous(),
+        part_val,
+        part_key,
+        k_slots,
+        q_slots,
+        d,
+        tiles_per_split,
+        n_split,
+        M=m or 0,
+        BLOCK_K=block_k,
+        BLOCK_Q=block_q,
+        num_warps=num_warps,
+        enable_fp_fusion=False,
+    )
+    best = part_val.min(dim=1).values
+    key = torch.where(part_val == best[:, None], part_key, _NO_KEY).min(dim=1).values
+    found = best < float("inf")
+    u, p = key // d, key % d
+    slot_i = torch.where(found, ((kept == u[:, None]) & kept_ok).to(torch.int8).argmax(dim=1), 0)
+    slot_j = torch.where(found, ((pruned == p[:, None]) & state.pruned_ok[rows]).to(torch.int8).argmax(dim=1), 0)
+    return best, slot_i, slot_j
+
+
+def add_outer(target: torch.Tensor, rows: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``target[rows[n]] += a[n, :, None] * b[n, None, :]`` in place, one read and write of the rows' entries.
+
+    ``target``: contiguous ``[R, A, B]`` float64; ``rows``: ``[n]`` int64, distinct; ``a`` ``[n, A]``, ``b``
+    ``[n, B]`` float64. Bit-identical to adding the materialised product.
+    """
+    n, (_, size_a, size_b) = rows.numel(), target.shape
+    _check_contiguous(target, "add_outer")
+    if n == 0 or size_a == 0 or size_b == 0:
+        return
+    block_a, block_b, num_warps = OUTER_TILE
+    grid = (n, triton.cdiv(size_a, block_a), triton.cdiv(size_b, block_b))
+    _outer_kernel[grid](
+        target, rows.contiguous(), a.contiguous(), b.contiguous(), size_a, size_b,
+        BLOCK_A=block_a, BLOCK_B=block_b, num_warps=num_warps, enable_fp_fusion=False,
+    )  # fmt: skip
+
+
+def row_vecmat(z: torch.Tensor, rows: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """``[n, Q]`` float64 ``g[n] @ z[rows[n]]`` for contiguous ``z`` ``[R, K, Q]`` and ``g`` ``[n, K]``, without
+    gathering ``z[rows]`` (neither modified)."""
+    n, (_, k_slots, q_slots) = rows.numel(), z.shape
+    _check_contiguous(z, "row_vecmat")
+    out = torch.zeros(n, q_slots, dtype=torch.float64, device=z.device)
+    if n == 0 or k_slots == 0 or q_slots == 0:
+        return out
+    block_k, block_q, num_warps = VECMAT_TILE
+    _vecmat_kernel[(n, triton.cdiv(q_slots, block_q))](
+        z, rows.contiguous(), g.contiguous(), out, k_slots, q_slots,
+        BLOCK_K=block_k, BLOCK_Q=block_q, num_warps=num_warps,
+    )  # fmt: skip
+    return out
+
+
+TRITON_OPS = UpdateOps(add_outer, row_vecmat)

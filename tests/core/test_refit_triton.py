@@ -1,0 +1,129 @@
+"""The re-fit objective's fused Triton engine against the torch reference. Without a GPU the kernels run in the
+Triton interpreter on CPU tensors (``TRITON_INTERPRET=1``, set in tests/conftest.py); with CUDA the same tests run
+the compiled kernels."""
+
+import pytest
+import torch
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+pytest.importorskip("triton")
+
+from sparseswaps_prune import refine_mask, warmstart_mask  # noqa: E402
+from sparseswaps_prune.core import refit_swaps as rs  # noqa: E402
+from sparseswaps_prune.core.backends import refit_triton, resolve_refit_backend  # noqa: E402
+from sparseswaps_prune.core.refit import damping  # noqa: E402
+
+
+def _layer(d_out, d_in, seed, nm=None, sparsity=0.6):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(3 * d_in, d_in, generator=gen, dtype=torch.float64) @ (
+        torch.eye(d_in, dtype=torch.float64) + torch.randn(d_in, d_in, generator=gen, dtype=torch.float64) / 4
+    )
+    weight = torch.randn(d_out, d_in, generator=gen, dtype=torch.float64)
+    weight[1, 2::5] = 0.0  # exact zeros: never restored
+    keep = warmstart_mask(weight, "magnitude", nm=nm) if nm else warmstart_mask(weight, "magnitude", sparsity=sparsity)
+    return weight.to(DEVICE), (x.T @ x).to(DEVICE), keep.to(DEVICE)
+
+
+def _state(weight, gram, keep, damp=0.01):
+    counts, d = keep.sum(1), keep.shape[1]
+    lam = damping(gram, damp)
+    state = rs.build_state(weight, keep, gram, lam, min(d, int(counts.max()) + 1), min(d, int((d - counts).max()) + 1))
+    state.z, state.inv = state.z.contiguous(), state.inv.contiguous()
+    return state, lam
+
+
+@pytest.mark.parametrize(("nm", "sparsity"), [(None, 0.6), (None, 0.3), ((2, 4), None)])
+@pytest.mark.parametrize("q_splits", [None, 1, 3])
+def test_scan_is_bit_identical_to_the_reference(nm, sparsity, q_splits):
+    weight, gram, keep = _layer(7, 300, seed=3, nm=nm, sparsity=sparsity)
+    state, lam = _state(weight, gram, keep)
+    floor = rs.pivot_floor(gram, lam)
+    m = nm[1] if nm else None
+    rows = torch.tensor([6, 0, 3, 1], device=DEVICE)  # a subset, out of order
+    ref = rs.scan_swaps(state, weight, rows, floor, m)
+    got = refit_triton.scan_swaps(state, weight, rows, floor, m, q_splits=q_splits)
+    assert torch.isfinite(ref[0]).all()
+    for g, r in zip(got, ref, strict=True):
+        assert torch.equal(g, r)
+
+
+def test_scan_ties_and_rows_without_a_pair():
+    d = 40
+    gram = torch.eye(d, dtype=torch.float64, device=DEVICE)  # every swap of equal weights costs the same
+    weight = torch.ones(3, d, dtype=torch.float64, device=DEVICE)
+    keep = torch.zeros(3, d, dtype=torch.bool, device=DEVICE)
+    keep[:, d // 2 :] = True
+    keep[1] = True  # nothing to restore
+    weight[2, : d // 2] = 0.0  # every pruned weight an exact zero
+    state, lam = _state(weight, gram, keep)
+    rows = torch.arange(3, device=DEVICE)
+    ref = rs.scan_swaps(state, weight, rows, rs.pivot_floor(gram, lam))
+    got = refit_triton.scan_swaps(state, weight, rows, rs.pivot_floor(gram, lam), q_splits=2)
+    assert abs(float(ref[0][0])) < 1e-12 and torch.isinf(ref[0][1:]).all()
+    for g, r in zip(got, ref, strict=True):
+        assert torch.equal(g, r)
+    assert (int(state.kept[0, got[1][0]]), int(state.pruned[0, got[2][0]])) == (d // 2, 0)  # smallest u, then p
+
+
+def test_updates_match_the_reference():
+    weight, gram, keep = _layer(5, 70, seed=1)
+    state, _ = _state(weight, gram, keep)
+    rows = torch.tensor([4, 1], device=DEVICE)
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(2, state.z.shape[1], generator=gen, dtype=torch.float64).to(DEVICE)
+    b = torch.randn(2, state.z.shape[2], generator=gen, dtype=torch.float64).to(DEVICE)
+    want = state.z.clone()
+    rs.add_outer(want, rows, a, b)
+    refit_triton.add_outer(state.z, rows, a, b)
+    assert torch.equal(state.z, want)  # no fma: the reference's rounding
+    g = torch.randn(2, state.z.shape[1], generator=gen, dtype=torch.float64).to(DEVICE)
+    torch.testing.assert_close(refit_triton.row_vecmat(state.z, rows, g), rs.row_vecmat(state.z, rows, g))
+    with pytest.raises(ValueError, match="contiguous"):
+        refit_triton.add_outer(state.z.transpose(1, 2), rows, b, a)
+
+
+@pytest.mark.parametrize("scope,nm", [("row", None), ("row", (2, 4)), ("layer", None)])
+def test_engine_chooses_the_torch_engines_swaps(scope, nm):
+    weight, gram, keep = _layer(6, 32, seed=7, nm=nm)
+    runs = {
+        engine: refine_mask(
+            weight, gram, keep, max_iters=40, nm=nm, objective="refit", damp=0.01, scope=scope, backend=engine
+        )
+        for engine in ("torch", "triton")
+    }
+    assert torch.equal(runs["torch"].mask, runs["triton"].mask)
+    assert runs["torch"].n_swaps.tolist() == runs["triton"].n_swaps.tolist()
+    assert int(runs["triton"].n_swaps.sum()) > 0
+    torch.testing.assert_close(runs["torch"].weight, runs["triton"].weight, rtol=1e-9, atol=1e-12)
+
+
+def test_resolve_refit_backend(monkeypatch):
+    cpu = torch.device("cpu")
+    assert resolve_refit_backend("auto", cpu) == "numba"
+    assert resolve_refit_backend("torch", cpu) == "torch"
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert resolve_refit_backend("triton", cpu) == "triton"
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(ValueError, match="TRITON_INTERPRET"):
+        resolve_refit_backend("triton", cpu)
+    if torch.cuda.is_available():
+        assert resolve_refit_backend("auto", torch.device("cuda")) == "triton"
+        assert resolve_refit_backend("torch", torch.device("cuda")) == "torch"
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA GPU")
+def test_cuda_engine_at_a_larger_width():
+    weight, gram, keep = _layer(40, 1024, seed=5)
+    state, lam = _state(weight, gram, keep)
+    rows = torch.arange(40, device=DEVICE)
+    floor = rs.pivot_floor(gram, lam)
+    for g, r in zip(refit_triton.scan_swaps(state, weight, rows, floor), rs.scan_swaps(state, weight, rows, floor),
+                    strict=True):  # fmt: skip
+        assert torch.equal(g, r)
+    runs = [
+        refine_mask(weight, gram, keep, max_iters=8, objective="refit", damp=0.01, backend=b, row_batch=16)
+        for b in ("torch", "triton")
+    ]
+    assert torch.equal(runs[0].mask, runs[1].mask) and int(runs[1].n_swaps.sum()) > 0
