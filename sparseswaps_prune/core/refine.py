@@ -538,7 +538,8 @@ def refine_mask(
         eps: a move is applied only if it lowers the loss by more than ``eps``; a row stops once its best
             ``dL`` is not below ``-eps``.
         row_batch: rows refined together (bounds memory); default fits ~64 MiB per ``[rows, d_in]``, and for
-            ``objective="refit"`` 128 MiB per float64 ``[rows, k, d_in - k]`` (the state ``Z``). With
+            ``objective="refit"`` 128 MiB per float64 ``[rows, k, d_in - k]`` (the state ``Z``; on CUDA 1/32 of the
+            device's memory). With
             ``scope="layer"`` all rows are refined together and ``row_batch`` batches the searches and rebuilds.
         device: where to compute (default: the weight's device).
         dtype: search dtype of the mask objective, ``torch.float32`` (fast) or ``torch.float64``; the re-fit
@@ -624,7 +625,7 @@ def refine_mask(
         fitted = torch.zeros_like(fitted_before)
     else:
         gram_search = gram64.to(dtype)
-    batch = row_batch or _default_row_batch(keep_mask, refit, spare=int(scope == "layer"))
+    batch = row_batch or _default_row_batch(keep_mask, refit, spare=int(scope == "layer"), device=compute)
     mask = keep_mask.detach().clone()
     n_swaps = torch.zeros(d_out, dtype=torch.long)
     iters = 0
@@ -672,16 +673,21 @@ def refine_mask(
     return result
 
 
-def _default_row_batch(keep_mask: torch.Tensor, refit: bool, spare: int) -> int:
+def _default_row_batch(keep_mask: torch.Tensor, refit: bool, spare: int, device: torch.device) -> int:
     """Rows per batch when the caller gives none: ``ROW_BATCH_ELEMENTS`` per ``[rows, d_in]`` for the mask objective,
-    ``refit_swaps.REFIT_ELEMENTS`` per state ``Z`` ``[rows, K, Q]`` (``spare`` extra slots each) for the re-fit one."""
+    ``refit_swaps.REFIT_ELEMENTS`` per state ``Z`` ``[rows, K, Q]`` (``spare`` extra slots each) for the re-fit one
+    (on CUDA ``refit_swaps.REFIT_CUDA_FRACTION`` of the device's memory, if that is more)."""
     d_out, d_in = keep_mask.shape
     if not refit:
         return max(1, ROW_BATCH_ELEMENTS // d_in)
     counts = keep_mask.sum(dim=1)
     k_max = int(counts.max()) if d_out else 0
     q_max = int((d_in - counts).max()) if d_out else 0
-    return max(1, rs.REFIT_ELEMENTS // max(1, (k_max + spare) * (q_max + spare)))
+    elements = rs.REFIT_ELEMENTS
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        elements = max(elements, int(total * rs.REFIT_CUDA_FRACTION) // 8)
+    return max(1, elements // max(1, (k_max + spare) * (q_max + spare)))
 
 
 def _mask_losses(weight: torch.Tensor, gram64: torch.Tensor, keep_mask: torch.Tensor) -> torch.Tensor:

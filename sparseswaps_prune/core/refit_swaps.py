@@ -44,6 +44,9 @@ from sparseswaps_prune.core.refit import REFIT_DAMP, damping, factor_kept
 
 # Elements of the [rows, k, d_in - k] state Z per row batch when the caller gives no row_batch (128 MiB float64).
 REFIT_ELEMENTS = 1 << 24
+# On CUDA the default row batch's Z may take this fraction of the device's memory: an iteration has a fixed cost of
+# a few milliseconds (launches, one host sync), so small batches leave the GPU idle (BENCHMARKS.md, "GPU").
+REFIT_CUDA_FRACTION = 1 / 32
 # Elements of the [rows, k, d_in - k] temporaries of one chunk of the pair scan (32 MiB float64 each).
 SCAN_ELEMENTS = 1 << 22
 # A restore is feasible only if its new pivot s exceeds this fraction of G_pp + lambda (conditioning guard).

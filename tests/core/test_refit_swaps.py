@@ -272,3 +272,19 @@ def test_numba_engine_chooses_the_torch_engines_swaps(monkeypatch, scope, nm, fa
     assert runs["torch"].n_swaps.tolist() == runs["numba"].n_swaps.tolist()
     assert int(runs["numba"].n_swaps.sum()) > 0
     assert torch.allclose(runs["torch"].loss_after, runs["numba"].loss_after, rtol=1e-9)
+
+
+def test_default_row_batch_grows_with_the_cuda_devices_memory(monkeypatch):
+    """On CUDA the re-fit state's default row batch is a share of the device's memory, not the CPU's 128 MiB."""
+    from types import SimpleNamespace
+
+    from sparseswaps_prune.core import refine
+
+    keep = torch.zeros(4096, 4096, dtype=torch.bool)
+    keep[:, :1638] = True
+    per_row = 1638 * (4096 - 1638)
+    assert refine._default_row_batch(keep, True, 0, torch.device("cpu")) == rs.REFIT_ELEMENTS // per_row == 4
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=80 * 2**30))
+    want = int(80 * 2**30 * rs.REFIT_CUDA_FRACTION) // 8 // per_row
+    assert refine._default_row_batch(keep, True, 0, torch.device("cuda")) == want == 83
+    assert refine._default_row_batch(keep, False, 0, torch.device("cuda")) == refine.ROW_BATCH_ELEMENTS // 4096
