@@ -2,7 +2,7 @@
 # The GPU figures of BENCHMARKS.md ("GPU"), in one go, on a CUDA machine with torch/triton/transformers installed
 # and this checkout on PYTHONPATH. Each step is bounded by `timeout` so that one slow step leaves the others' output.
 #   bash benchmarks/gpu_figures.sh [OUTDIR] [STAGE]      # STAGE: short (default: all), pipeline, refit (the re-fit
-#   objective's engines at 2 to 64 rows per batch), default (2 blocks of 8B with the default), or full (all 32
+#   objective's engines at 2 to 256 rows per batch), default (2 blocks of 8B with the default), or full (all 32
 #   blocks of 8B with the default)
 set -u -o pipefail
 out=${1:-gpu_out}; stage=${2:-short}; mkdir -p "$out"
@@ -21,10 +21,10 @@ if [ "$stage" = refit ]; then  # the re-fit objective's engines (torch, triton) 
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   python3 -c "import torch, triton; print(torch.__version__, triton.__version__)"
   step 90 python3 -m pytest -q -p no:cacheprovider tests/core/test_refit_triton.py tests/core/test_triton.py
-  for rows in 2 16 64; do
+  for rows in 2 16 256; do
     step 100 python3 benchmarks/refit_swaps.py --device cuda --widths 576 1536 4096 --rows $rows
   done
-  step 90 python3 benchmarks/refit_swaps.py --device cuda --widths 14336 --rows 8
+  step 120 python3 benchmarks/refit_swaps.py --device cuda --widths 14336 --rows 32
 fi
 if [ "$stage" = short ] || [ "$stage" = pipeline ]; then
   step 300 python3 benchmarks/llm_pipeline.py --model llama-3.1-8b --blocks 2 --iters 0 1 5 25 100 --device cuda \
