@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from sparseswaps_prune.core.backends.triton_search import tile_splits
 from sparseswaps_prune.core.refit_swaps import RefitState, UpdateOps, restorable
 
 # (BLOCK_K, BLOCK_Q, num_warps) of the scan and (BLOCK_A, BLOCK_B, num_warps) of the rank-one update: the fastest of
@@ -36,8 +37,6 @@ SCAN_TILE = (4, 256, 4)
 OUTER_TILE = (8, 512, 8)
 # (BLOCK_K, BLOCK_Q, num_warps) of the vector-matrix product.
 VECMAT_TILE = (32, 128, 4)
-# Programs aimed for per streaming multiprocessor when splitting a row's pruned slots.
-PROGRAMS_PER_SM = 4
 _NO_KEY = torch.iinfo(torch.long).max
 
 
@@ -152,14 +151,6 @@ def _check_contiguous(t: torch.Tensor, name: str) -> None:
         raise ValueError(f"{name} needs a contiguous float64 state tensor, got {t.dtype} with strides {t.stride()}")
 
 
-def _n_split(n: int, n_tiles: int, device: torch.device) -> int:
-    """Splits of a row's pruned-slot tiles: enough programs to fill the GPU (one in the interpreter)."""
-    if device.type != "cuda":
-        return 1
-    target = PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(n_tiles, -(-target // max(1, n))))
-
-
 def scan_swaps(
     state: RefitState,
     w64: torch.Tensor,
@@ -198,9 +189,7 @@ def scan_swaps(
     pruned_ok = restorable(state, w64, rows)
     block_k, block_q, num_warps = SCAN_TILE
     n_tiles = triton.cdiv(q_slots, block_q)
-    n_split = _n_split(n, n_tiles, dev) if q_splits is None else max(1, min(n_tiles, q_splits))
-    tiles_per_split = triton.cdiv(n_tiles, n_split)
-    n_split = triton.cdiv(n_tiles, tiles_per_split)
+    n_split, tiles_per_split = tile_splits(n, n_tiles, dev, q_splits)
     part_val = torch.empty(n, n_split, dtype=torch.float64, device=dev)
     part_key = torch.empty(n, n_split, dtype=torch.long, device=dev)
     _scan_kernel[(n, n_split)](

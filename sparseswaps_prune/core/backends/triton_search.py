@@ -92,12 +92,16 @@ def _best_u_kernel(
     tl.store(out_u_ptr + out_off, best_u, mask=r_ok)
 
 
-def _n_split(n_row_blocks: int, n_u_tiles: int, device: torch.device) -> int:
-    """Number of u splits: enough programs to fill the GPU (one split in the interpreter)."""
-    if device.type != "cuda":
-        return 1
-    target = PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(n_u_tiles, -(-target // n_row_blocks)))
+def tile_splits(n_blocks: int, n_tiles: int, device: torch.device, splits: int | None = None) -> tuple[int, int]:
+    """``(splits, tiles per split)`` of a range of ``n_tiles`` tiles shared by ``n_blocks`` blocks of programs:
+    ``splits`` if given (at most ``n_tiles``), else enough programs to fill the GPU (one split in the interpreter)."""
+    if splits is None:
+        splits = 1
+        if device.type == "cuda":
+            target = PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
+            splits = -(-target // max(1, n_blocks))
+    per_split = triton.cdiv(n_tiles, max(1, min(n_tiles, splits)))
+    return triton.cdiv(n_tiles, per_split), per_split
 
 
 def best_swaps_triton(
@@ -131,9 +135,7 @@ def best_swaps_triton(
     block_r, block_u, block_p, num_warps = TILES[weight.dtype]
     n_row_blocks = triton.cdiv(rows, block_r)
     n_u_tiles = triton.cdiv(d, block_u)
-    n_split = _n_split(n_row_blocks, n_u_tiles, device) if u_splits is None else max(1, min(n_u_tiles, u_splits))
-    tiles_per_split = triton.cdiv(n_u_tiles, n_split)
-    n_split = triton.cdiv(n_u_tiles, tiles_per_split)
+    n_split, tiles_per_split = tile_splits(n_row_blocks, n_u_tiles, device, u_splits)
     part_val = torch.empty(rows, n_split, dtype=weight.dtype, device=device)
     part_u = torch.empty(rows, n_split, dtype=torch.long, device=device)
     _best_u_kernel[(n_row_blocks, n_split)](
