@@ -539,8 +539,8 @@ def refine_mask(
             ``dL`` is not below ``-eps``.
         row_batch: rows refined together (bounds memory); default fits ~64 MiB per ``[rows, d_in]``, and for
             ``objective="refit"`` 128 MiB per float64 ``[rows, k, d_in - k]`` (the state ``Z``; on CUDA 1/32 of the
-            device's memory). With
-            ``scope="layer"`` all rows are refined together and ``row_batch`` batches the searches and rebuilds.
+            device's memory). With ``scope="layer"`` all rows are refined together and ``row_batch`` batches the
+            searches and rebuilds.
         device: where to compute (default: the weight's device).
         dtype: search dtype of the mask objective, ``torch.float32`` (fast) or ``torch.float64``; the re-fit
             objective always runs in float64.
