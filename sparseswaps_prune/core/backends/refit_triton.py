@@ -31,8 +31,8 @@ from sparseswaps_prune.core.backends.triton_search import tile_splits
 from sparseswaps_prune.core.refit_swaps import RefitState, UpdateOps, restorable
 
 # (BLOCK_K, BLOCK_Q, num_warps) of the scan and (BLOCK_A, BLOCK_B, num_warps) of the rank-one update: the fastest of
-# 9 and 5 shapes tried on an H200 at d_in 4096 (64 rows) and 14336 (8 rows), 2026-11-26 (scan: 0.8-1 TB/s of Z, bound
-# by its float64 divisions; update: about 5 TB/s, the memory's bandwidth).
+# 9 and 5 shapes tried on an H200 at d_in 4096 (64 rows) and 14336 (8 rows), 2026-11-26 (scan: 0.8-1 TB/s of Z, well
+# below the memory's bandwidth, likely its two float64 divisions per pair; update: about 5 TB/s, the bandwidth).
 SCAN_TILE = (4, 256, 4)
 OUTER_TILE = (8, 512, 8)
 # (BLOCK_K, BLOCK_Q, num_warps) of the vector-matrix product.
