@@ -304,9 +304,8 @@ class RefitRows:
         elif cross or rows > row_batch:  # fill a preallocated (contiguous) state, row batch by row batch
             self.state = _empty_state(rows, self.k_slots, self.q_slots, w64.device)
             self.resync(torch.arange(rows, device=w64.device))
-        else:  # one row batch: build it in one go (contiguous for the kernels)
+        else:  # one row batch: build it in one go
             self.state = rs.build_state(w64, keep, gram64, lam, self.k_slots, self.q_slots, row_offset=self.row_index)
-            self.state.z, self.state.inv = self.state.z.contiguous(), self.state.inv.contiguous()
         self.fitted_before = self.fitted()
 
     def resync(self, rows: torch.Tensor) -> None:

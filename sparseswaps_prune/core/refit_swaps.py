@@ -115,7 +115,7 @@ def build_state(
         row_offset: layer index of row 0 (an int), or ``[R]`` layer indices, for error messages.
 
     Returns:
-        A new :class:`RefitState` (float64 on ``w64``'s device).
+        A new :class:`RefitState` (float64 on ``w64``'s device, every tensor contiguous).
 
     Raises:
         ValueError: ``G_SS + lambda I`` is not positive definite for some rows (names them; raise ``damp``).
@@ -136,7 +136,9 @@ def build_state(
     resid = torch.where(pruned_ok, target.gather(1, pruned) - torch.einsum("rkq,rk->rq", cross, coef), 0.0)
     diag = torch.diagonal(gram64)
     schur = torch.where(pruned_ok, diag[pruned] + lam - torch.einsum("rkq,rkq->rq", cross, z), 1.0)
-    return RefitState(kept, kept_ok, pruned, pruned_ok, inv, coef, resid, schur, z)
+    # LAPACK's solves return column-major batches; the state is row-major like the preallocated one rows are
+    # assigned into, the layout the Triton engine addresses
+    return RefitState(kept, kept_ok, pruned, pruned_ok, inv.contiguous(), coef, resid, schur, z.contiguous())
 
 
 def restorable(state: RefitState, w64: torch.Tensor, rows: torch.Tensor | slice = slice(None)) -> torch.Tensor:
@@ -148,6 +150,20 @@ def _tie_break(cost: torch.Tensor, key: torch.Tensor, best: torch.Tensor) -> tor
     """Flat index of the entry of smallest ``key`` among those equal to the row minimum ``best``."""
     big = torch.iinfo(torch.long).max
     return torch.where(cost == best[:, None], key, big).argmin(dim=1)
+
+
+def no_swaps(n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A scan's answer for ``n`` rows without a feasible pair: ``dF = +inf``, kept and pruned slot 0."""
+    slot_i = torch.zeros(n, dtype=torch.long, device=device)
+    return torch.full((n,), float("inf"), dtype=torch.float64, device=device), slot_i, torch.zeros_like(slot_i)
+
+
+def removal_terms(state: RefitState, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The pair scan's ``[n, K]`` kept-slot terms of rows ``rows``: ``H_uu`` (1 at vacant slots), ``v_u / H_uu`` and
+    ``v_u^2 / H_uu``, computed as every scan engine must to give the same costs."""
+    h_safe = torch.where(state.kept_ok[rows], torch.diagonal(state.inv, dim1=1, dim2=2)[rows], 1.0)
+    ratio = state.coef[rows] / h_safe
+    return h_safe, ratio, state.coef[rows] * ratio
 
 
 def scan_swaps(
@@ -172,19 +188,14 @@ def scan_swaps(
     n = rows.numel()
     _, k_slots, q_slots = state.z.shape
     d = w64.shape[1]
-    best = torch.full((n,), float("inf"), dtype=torch.float64, device=w64.device)
-    slot_i = torch.zeros(n, dtype=torch.long, device=w64.device)
-    slot_j = torch.zeros_like(slot_i)
+    best, slot_i, slot_j = no_swaps(n, w64.device)
     if n == 0 or k_slots == 0 or q_slots == 0:
         return best, slot_i, slot_j
     chunk = max(1, SCAN_ELEMENTS // (k_slots * q_slots))
     for c0 in range(0, n, chunk):
         sub = rows[c0 : c0 + chunk]
         kept, kept_ok, pruned = state.kept[sub], state.kept_ok[sub], state.pruned[sub]
-        h = torch.diagonal(state.inv, dim1=1, dim2=2)[sub]
-        h_safe = torch.where(kept_ok, h, 1.0)
-        ratio = state.coef[sub] / h_safe  # v_u / H_uu
-        remove = state.coef[sub] * ratio  # v_u^2 / H_uu
+        h_safe, ratio, remove = removal_terms(state, sub)
         z = state.z[sub]
         # in place over [n, K, Q]: pivot = s_p + Z_up^2 / H_uu, cost = remove_u - (r_p + Z_up ratio_u)^2 / pivot
         pivot = z.square().div_(h_safe[:, :, None]).add_(state.schur[sub][:, None, :])

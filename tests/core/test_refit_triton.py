@@ -30,7 +30,7 @@ def _state(weight, gram, keep, damp=0.01):
     counts, d = keep.sum(1), keep.shape[1]
     lam = damping(gram, damp)
     state = rs.build_state(weight, keep, gram, lam, min(d, int(counts.max()) + 1), min(d, int((d - counts).max()) + 1))
-    state.z, state.inv = state.z.contiguous(), state.inv.contiguous()
+    assert state.z.is_contiguous() and state.inv.is_contiguous()  # the layout the kernels address
     return state, lam
 
 

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from sparseswaps_prune.core.backends.triton_search import tile_splits
-from sparseswaps_prune.core.refit_swaps import RefitState, UpdateOps, restorable
+from sparseswaps_prune.core.refit_swaps import RefitState, UpdateOps, no_swaps, removal_terms, restorable
 
 # (BLOCK_K, BLOCK_Q, num_warps) of the scan and (BLOCK_A, BLOCK_B, num_warps) of the rank-one update: the fastest of
 # 9 and 5 shapes tried on an H200 at d_in 4096 (64 rows) and 14336 (8 rows), 2026-11-26 (scan: 0.8-1 TB/s of Z, well
@@ -176,16 +176,11 @@ def scan_swaps(
     _, k_slots, q_slots = state.z.shape
     d = w64.shape[1]
     dev = w64.device
-    best = torch.full((n,), float("inf"), dtype=torch.float64, device=dev)
-    slot_i = torch.zeros(n, dtype=torch.long, device=dev)
-    slot_j = torch.zeros_like(slot_i)
     if n == 0 or k_slots == 0 or q_slots == 0:
-        return best, slot_i, slot_j
+        return no_swaps(n, dev)
     _check_contiguous(state.z, "scan_swaps")
     kept, kept_ok, pruned = state.kept[rows], state.kept_ok[rows], state.pruned[rows]
-    h_safe = torch.where(kept_ok, torch.diagonal(state.inv, dim1=1, dim2=2)[rows], 1.0)
-    ratio = state.coef[rows] / h_safe  # v_u / H_uu, as the reference
-    remove = state.coef[rows] * ratio  # v_u^2 / H_uu
+    h_safe, ratio, remove = removal_terms(state, rows)  # as the reference
     pruned_ok = restorable(state, w64, rows)
     block_k, block_q, num_warps = SCAN_TILE
     n_tiles = triton.cdiv(q_slots, block_q)
