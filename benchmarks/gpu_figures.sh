@@ -17,7 +17,7 @@ if [ "$stage" = short ]; then
   # larger row batches: the torch engine's launches are shared by more rows (not measured yet)
   step 150 python3 benchmarks/refit_swaps.py --device cuda --widths 576 1536 4096 --rows 64
 fi
-if [ "$stage" = refit ]; then  # the re-fit objective's engines (torch, triton) at 2 to 64 rows per batch: ~5 min
+if [ "$stage" = refit ]; then  # the re-fit objective's engines (torch, triton) at 2 to 256 rows per batch: ~3 min on an H200
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   python3 -c "import torch, triton; print(torch.__version__, triton.__version__)"
   step 90 python3 -m pytest -q -p no:cacheprovider tests/core/test_refit_triton.py tests/core/test_triton.py
