@@ -105,6 +105,7 @@ def build_state(
     n_pruned_slots: int,
     *,
     row_offset: int | torch.Tensor = 0,
+    explicit_inverse: bool | None = None,
 ) -> RefitState:
     """Re-fit state of every row from scratch, ``O(k^2 (d_in - k) + k^3)`` per row.
 
@@ -113,6 +114,12 @@ def build_state(
         gram64: ``[d, d]`` float64 Gram matrix; lam: absolute damping ``lambda``.
         n_kept_slots, n_pruned_slots: slot counts ``K >= max k_i`` and ``Q >= max (d - k_i)``.
         row_offset: layer index of row 0 (an int), or ``[R]`` layer indices, for error messages.
+        explicit_inverse: form ``H`` from the inverse of the Cholesky factor (a batched triangular solve against
+            ``I`` and a product) and ``v``, ``Z`` as products with ``H`` (``Z = H G[S, P]``, one batched matrix
+            product) instead of by Cholesky solves against ``I``, ``b_S`` and ``G[S, P]``. About the same flops,
+            but batched Cholesky solves with many right-hand sides run far below the float64 peak on CUDA
+            (BENCHMARKS.md, "GPU") where matrix products do not. The two agree to rounding. None: True on CUDA,
+            False elsewhere.
 
     Returns:
         A new :class:`RefitState` (float64 on ``w64``'s device, every tensor contiguous).
@@ -126,13 +133,23 @@ def build_state(
     pruned, pruned_ok = pruned_slots(keep, n_pruned_slots)
 
     pair_ok = kept_ok[:, :, None] & kept_ok[:, None, :]
-    eye = torch.eye(n_kept_slots, dtype=torch.float64, device=dev)
+    eye = torch.eye(n_kept_slots, dtype=torch.float64, device=dev).expand_as(factor)
     target = w64 @ gram64  # b = G w, G symmetric
-    # batched cholesky_inverse is ~40x slower than a Cholesky solve against I on the CPU (torch 2.13)
-    inv = torch.cholesky_solve(eye.expand_as(factor), factor) * pair_ok
-    coef = torch.cholesky_solve(torch.where(kept_ok, target.gather(1, kept), 0.0)[:, :, None], factor).squeeze(2)
+    kept_target = torch.where(kept_ok, target.gather(1, kept), 0.0)[:, :, None]
     cross = gram64[kept[:, :, None], pruned[:, None, :]] * (kept_ok[:, :, None] & pruned_ok[:, None, :])
-    z = torch.cholesky_solve(cross, factor)  # vacant kept rows solve an identity system with zero rhs: 0
+    # vacant kept slots: the factor is the identity there and the right-hand sides are zero, so v and Z are 0
+    if explicit_inverse is None:
+        explicit_inverse = dev.type == "cuda"
+    if explicit_inverse:
+        half = torch.linalg.solve_triangular(factor, eye, upper=False)  # L^-1
+        inv = (half.mT @ half) * pair_ok
+        coef = (inv @ kept_target).squeeze(2)
+        z = inv @ cross
+    else:
+        # batched cholesky_inverse is ~40x slower than a Cholesky solve against I on the CPU (torch 2.13)
+        inv = torch.cholesky_solve(eye, factor) * pair_ok
+        coef = torch.cholesky_solve(kept_target, factor).squeeze(2)
+        z = torch.cholesky_solve(cross, factor)
     resid = torch.where(pruned_ok, target.gather(1, pruned) - torch.einsum("rkq,rk->rq", cross, coef), 0.0)
     diag = torch.diagonal(gram64)
     schur = torch.where(pruned_ok, diag[pruned] + lam - torch.einsum("rkq,rkq->rq", cross, z), 1.0)

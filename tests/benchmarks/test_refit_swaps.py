@@ -11,12 +11,13 @@ from sparseswaps_prune.core import refit_swaps as rs
 
 def test_measure_times_both_engines(benchmark_script):
     bench = benchmark_script("refit_swaps")
-    k, mib, figures, ls, mask_it, floor = bench.measure(24, 3, "cpu", 0.01, "torch", iters=2)
+    k, mib, figures, ls, mask_it, floor, builds = bench.measure(24, 3, "cpu", 0.01, "torch", iters=2)
     assert k == 10  # 60% of 24 pruned per row (round(14.4) = 14)
     assert math.isclose(mib, (k * k + k * (24 - k)) * 8 / 2**20)
     assert set(figures) == {"torch", "numba"}
     assert all(build > 0 and it > 0 and same for build, it, same in figures.values())
     assert ls > 0 and mask_it > 0 and floor > 0
+    assert len(builds) == 2 and all(build > 0 for build in builds)  # by solves, by products
 
 
 def test_the_floor_computes_the_states_schur_complements(benchmark_script):

@@ -1,3 +1,5 @@
+from dataclasses import fields
+
 import pytest
 import torch
 
@@ -166,6 +168,29 @@ def test_state_updates_match_a_rebuild():
         assert torch.allclose(state.z[r][ki][:, pi], fresh.z[r][fi][:, fp], rtol=1e-9, atol=1e-12)
         assert torch.allclose(state.resid[r, pi], fresh.resid[r, fp], rtol=1e-9, atol=1e-9)
         assert torch.allclose(state.schur[r, pi], fresh.schur[r, fp], rtol=1e-9, atol=1e-9)
+
+
+def test_explicit_inverse_build_agrees_with_the_cholesky_solves():
+    weight, gram = layer_problem(6, 24, seed=3)
+    keep = warmstart_mask(weight, "wanda", sparsity=0.6, gram=gram, scope="layer")  # unequal row counts
+    counts = keep.sum(1)
+    lam = damping(gram, 0.01)
+    k, q = int(counts.max()) + 2, int((24 - counts).max()) + 2  # vacant slots in every row
+    solved = rs.build_state(weight, keep, gram, lam, k, q, explicit_inverse=False)
+    products = rs.build_state(weight, keep, gram, lam, k, q, explicit_inverse=True)
+    default = rs.build_state(weight, keep, gram, lam, k, q)  # on the CPU: the solves
+    for f in fields(rs.RefitState):
+        assert torch.equal(getattr(default, f.name), getattr(solved, f.name)), f.name
+    for name in ("kept", "kept_ok", "pruned", "pruned_ok"):
+        assert torch.equal(getattr(products, name), getattr(solved, name))
+    for name in ("inv", "coef", "resid", "schur", "z"):
+        a, b = getattr(products, name), getattr(solved, name)
+        assert a.is_contiguous() and torch.allclose(a, b, rtol=1e-9, atol=1e-12), name
+    vacant = ~products.kept_ok
+    assert not products.z[vacant].any() and not products.inv[vacant].any() and not products.coef[vacant].any()
+    rows, floor = torch.arange(6), rs.pivot_floor(gram, lam)
+    chosen = [rs.scan_swaps(state, weight, rows, floor)[1:] for state in (products, solved)]
+    assert all(torch.equal(a, b) for a, b in zip(*chosen, strict=True))  # the same swaps
 
 
 def test_row_batches_resync_and_unequal_counts():
