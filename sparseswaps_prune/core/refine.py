@@ -290,11 +290,11 @@ class RefitRows:
             )
         self.w64, self.keep, self.gram64, self.lam, self.m = w64, keep, gram64, lam, m
         self.row_batch, self.numba = row_batch, engine == "numba"
-        self.scan, self.ops = rs.scan_swaps, rs.TORCH_OPS
+        self.scan, self.outer = rs.scan_swaps, rs.add_outer
         if engine == "triton":
             from sparseswaps_prune.core.backends import refit_triton
 
-            self.scan, self.ops = refit_triton.scan_swaps, refit_triton.TRITON_OPS
+            self.scan, self.outer = refit_triton.scan_swaps, refit_triton.add_outer
         self.row_index = (torch.arange(rows) if row_index is None else row_index.cpu()).to(w64.device)
         self.pivot_floor = rs.pivot_floor(gram64, lam)
         self.rounding = rs.ACCEPT_RTOL * ((w64 @ gram64) * w64).sum(dim=1)
@@ -359,7 +359,7 @@ class RefitRows:
         if self.numba:
             u, p = self.state.swap(rows, slot_i, slot_j)
         else:
-            u, p = rs.swap_slots(self.state, rows, slot_i, slot_j, self.gram64, self.ops)
+            u, p = rs.swap_slots(self.state, rows, slot_i, slot_j, self.gram64, self.outer)
         self.keep[rows, u] = False
         self.keep[rows, p] = True
         if cross is None:
@@ -369,7 +369,7 @@ class RefitRows:
         if self.numba:
             u = self.state.remove(rows, slot_i, vacant)
         else:
-            incoming = rs.remove_kept(self.state, rows, slot_i, self.ops)
+            incoming = rs.remove_kept(self.state, rows, slot_i, self.outer)
             rs.place_pruned(self.state, rows, vacant, incoming)
             u = incoming[0]
         self.keep[rows, u] = False
@@ -378,7 +378,7 @@ class RefitRows:
         if self.numba:
             self.state.add(receivers, slot_j, vacant)
         else:
-            rs.add_pruned(self.state, receivers, slot_j, vacant, self.gram64, ops=self.ops)
+            rs.add_pruned(self.state, receivers, slot_j, vacant, self.gram64, outer=self.outer)
         self.keep[receivers, p] = True
 
     def fitted(self) -> torch.Tensor:

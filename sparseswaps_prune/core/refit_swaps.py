@@ -35,7 +35,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, fields
-from typing import NamedTuple
 
 import torch
 
@@ -279,30 +278,19 @@ def add_outer(target: torch.Tensor, rows: torch.Tensor, a: torch.Tensor, b: torc
     _add_rows(target, rows, a[:, :, None] * b[:, None, :])
 
 
-def row_vecmat(z: torch.Tensor, rows: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """``[n, Q]`` ``g[n] @ z[rows[n]]`` for ``z`` ``[R, K, Q]`` and ``g`` ``[n, K]`` (neither modified)."""
-    return torch.bmm(g[:, None, :], z[rows]).squeeze(1)
-
-
-class UpdateOps(NamedTuple):
-    """The two ``[R, K, Q]``-sized operations of a swap's state update: :func:`add_outer` and :func:`row_vecmat`
-    (these torch ones, or the fused kernels of :mod:`~sparseswaps_prune.core.backends.refit_triton`)."""
-
-    add_outer: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
-    vecmat: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-TORCH_OPS = UpdateOps(add_outer, row_vecmat)
+OuterAdd = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+"""The ``[R, K, Q]``- and ``[R, K, K]``-sized operation of a swap's state update, :func:`add_outer` (this torch one
+or the fused kernel of :mod:`~sparseswaps_prune.core.backends.refit_triton`)."""
 
 
 Incoming = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
-def remove_kept(state: RefitState, rows: torch.Tensor, slot: torch.Tensor, ops: UpdateOps = TORCH_OPS) -> Incoming:
+def remove_kept(state: RefitState, rows: torch.Tensor, slot: torch.Tensor, outer: OuterAdd = add_outer) -> Incoming:
     """Prune the input in kept slot ``slot[n]`` of each row ``rows[n]`` (distinct rows), in place.
 
     Downdates ``H``, ``v``, ``Z``, ``r``, ``s`` (``O(k (d_in - k) + k^2)`` per row; the ``[n, K, K]`` and
-    ``[n, K, Q]`` updates through ``ops``) and vacates the slot. Returns the
+    ``[n, K, Q]`` updates through ``outer``) and vacates the slot. Returns the
     pruned input's new pruned-slot entries ``(u, Z[:, u], r_u, s_u)`` = ``(u, -H[:, u] / H_uu, v_u / H_uu, 1 / H_uu)``
     for :func:`place_pruned` or :func:`add_pruned`.
     """
@@ -312,9 +300,9 @@ def remove_kept(state: RefitState, rows: torch.Tensor, slot: torch.Tensor, ops: 
     ratio = state.coef[rows, slot] / h_uu
     z_row = state.z[rows, slot, :]  # [n, Q]
     scaled = h / -h_uu[:, None]
-    ops.add_outer(state.inv, rows, h, scaled)
+    outer(state.inv, rows, h, scaled)
     state.coef[rows] -= h * ratio[:, None]
-    ops.add_outer(state.z, rows, scaled, z_row)
+    outer(state.z, rows, scaled, z_row)
     state.resid[rows] += z_row * ratio[:, None]
     state.schur[rows] += z_row * z_row / h_uu[:, None]
     state.inv[rows, slot, :] = 0.0
@@ -345,14 +333,16 @@ def add_pruned(
     dest: torch.Tensor,
     gram64: torch.Tensor,
     incoming: Incoming | None = None,
-    ops: UpdateOps = TORCH_OPS,
+    outer: OuterAdd = add_outer,
 ) -> None:
     """Restore the input in pruned slot ``slot`` of each row into vacant kept slot ``dest``, in place.
 
     Block-inverse update of ``H`` with the pivot ``s_p`` and rank-one updates of ``v``, ``Z``, ``r``, ``s``
-    (``O(k (d_in - k) + k^2)`` per row; the ``[n, K, K]`` and ``[n, K, Q]`` ones through ``ops``). With
-    ``incoming`` (a swap) the input pruned by :func:`remove_kept` takes over the pruned slot; otherwise the slot is
-    vacated.
+    (``O(k (d_in - k) + k^2)`` per row; the ``[n, K, K]`` and ``[n, K, Q]`` ones through ``outer``). The update's
+    vector ``t_q = G_pq - G[p, S] Z[:, q]`` is read off the shared Gram, ``G[p, S] Z[:, q] = y^T G[S, q]`` with
+    ``y = Z[:, p]`` (``H`` is symmetric): one ``[n, d] x [d, d]`` matrix product instead of a pass over the rows'
+    ``Z``. With ``incoming`` (a swap) the input pruned by :func:`remove_kept` takes over the pruned slot; otherwise
+    the slot is vacated.
     """
     ar = torch.arange(rows.numel(), device=rows.device)
     y = state.z[rows, :, slot]  # [n, K] Z[:, p] (zero at the vacant dest)
@@ -364,15 +354,14 @@ def add_pruned(
         state.pruned_ok[rows, slot] = False
     else:
         place_pruned(state, rows, slot, incoming)
-    gram_p = gram64[p]  # [n, d]
-    kept_ok = state.kept_ok[rows]
-    g_kept = torch.where(kept_ok, gram_p.gather(1, state.kept[rows]), 0.0)
-    t = gram_p.gather(1, state.pruned[rows]) - ops.vecmat(state.z, rows, g_kept)
-    t = torch.where(state.pruned_ok[rows], t, 0.0)  # t_q = G_pq - G[p, S] Z[:, q]
+    # y is zero at vacant slots (dest included): spread it over the inputs, t_q = G_pq - y^T G[S, q]
+    spread = torch.zeros_like(gram64[p]).scatter_add_(1, state.kept[rows], y)
+    pruned = state.pruned[rows]
+    t = (gram64[p].gather(1, pruned) - (spread @ gram64).gather(1, pruned)) * state.pruned_ok[rows]
     y[ar, dest] = -1.0
-    ops.add_outer(state.inv, rows, y, y / pivot[:, None])
+    outer(state.inv, rows, y, y / pivot[:, None])
     state.coef[rows] -= y * ratio[:, None]
-    ops.add_outer(state.z, rows, y / -pivot[:, None], t)
+    outer(state.z, rows, y / -pivot[:, None], t)
     state.resid[rows] -= t * ratio[:, None]
     state.schur[rows] -= t * t / pivot[:, None]
     state.kept[rows, dest] = p
@@ -385,15 +374,15 @@ def swap_slots(
     slot_i: torch.Tensor,
     slot_j: torch.Tensor,
     gram64: torch.Tensor,
-    ops: UpdateOps = TORCH_OPS,
+    outer: OuterAdd = add_outer,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Swap kept slot ``slot_i`` and pruned slot ``slot_j`` of each row (prune ``u``, restore ``p``), in place.
 
     Returns the inputs ``(u, p)`` ``[n]``.
     """
     p = state.pruned[rows, slot_j]
-    incoming = remove_kept(state, rows, slot_i, ops)
-    add_pruned(state, rows, slot_j, slot_i, gram64, incoming, ops)
+    incoming = remove_kept(state, rows, slot_i, outer)
+    add_pruned(state, rows, slot_j, slot_i, gram64, incoming, outer)
     return incoming[0], p
 
 

@@ -78,8 +78,6 @@ def test_updates_match_the_reference():
     rs.add_outer(want, rows, a, b)
     refit_triton.add_outer(state.z, rows, a, b)
     assert torch.equal(state.z, want)  # no fma: the reference's rounding
-    g = torch.randn(2, state.z.shape[1], generator=gen, dtype=torch.float64).to(DEVICE)
-    torch.testing.assert_close(refit_triton.row_vecmat(state.z, rows, g), rs.row_vecmat(state.z, rows, g))
     with pytest.raises(ValueError, match="contiguous"):
         refit_triton.add_outer(state.z.transpose(1, 2), rows, b, a)
 

@@ -12,13 +12,10 @@ and ``H`` materialises its outer product before adding it. Here
   (``enable_fp_fusion=False``), so the costs are bit-identical to :func:`refit_swaps.scan_swaps`; it keeps the
   minimum and, on ties, the smallest input-index key ``u * d + p``, the reference's tie rule;
 * :func:`add_outer` adds ``a b^T`` to the rows' ``Z`` or ``H`` in one read and write (``t + a * b``, again without
-  fused multiply-add, so bit-identical to the reference's ``index_add_`` of the materialised product);
-* :func:`row_vecmat` forms ``G[p, S] Z`` of a restore without gathering the rows' ``Z`` (a float64 sum in its own
-  order, so it may differ from the reference's ``bmm`` in the last bits; the engines are tested to choose the same
-  swaps).
+  fused multiply-add, so bit-identical to the reference's ``index_add_`` of the materialised product).
 
-The state build (Cholesky, triangular solves) stays in torch. Swap application: :func:`refit_swaps.swap_slots` etc.
-with ``ops=TRITON_OPS``.
+The state build and a restore's vector ``G[p, S] Z`` (a product with the shared Gram) stay in torch. Swap
+application: :func:`refit_swaps.swap_slots` etc. with ``outer=add_outer``; the engines choose the same swaps.
 """
 
 from __future__ import annotations
@@ -28,15 +25,13 @@ import triton
 import triton.language as tl
 
 from sparseswaps_prune.core.backends.triton_search import tile_splits
-from sparseswaps_prune.core.refit_swaps import RefitState, UpdateOps, no_swaps, removal_terms, restorable
+from sparseswaps_prune.core.refit_swaps import RefitState, no_swaps, removal_terms, restorable
 
 # (BLOCK_K, BLOCK_Q, num_warps) of the scan and (BLOCK_A, BLOCK_B, num_warps) of the rank-one update: the fastest of
 # 9 and 5 shapes tried on an H200 at d_in 4096 (64 rows) and 14336 (8 rows), 2026-11-26 (scan: 0.8-1 TB/s of Z, well
 # below the memory's bandwidth, likely its two float64 divisions per pair; update: about 5 TB/s, the bandwidth).
 SCAN_TILE = (4, 256, 4)
 OUTER_TILE = (8, 512, 8)
-# (BLOCK_K, BLOCK_Q, num_warps) of the vector-matrix product.
-VECMAT_TILE = (32, 128, 4)
 _NO_KEY = torch.iinfo(torch.long).max
 
 
@@ -125,24 +120,6 @@ def _outer_kernel(t_ptr, rows_ptr, a_ptr, b_ptr, A, B, BLOCK_A: tl.constexpr, BL
     ptrs = t_ptr + tl.load(rows_ptr + i) * A * B + a_idx[:, None].to(tl.int64) * B + b_idx[None, :]
     ok = a_in[:, None] & b_in[None, :]
     tl.store(ptrs, tl.load(ptrs, mask=ok, other=0.0) + a[:, None] * b[None, :], mask=ok)
-
-
-@triton.jit
-def _vecmat_kernel(z_ptr, rows_ptr, g_ptr, out_ptr, K, Q, BLOCK_K: tl.constexpr, BLOCK_Q: tl.constexpr):
-    """``out[i, q-tile] = sum_k g[i, k] z[rows[i], k, q-tile]``."""
-    i = tl.program_id(0).to(tl.int64)
-    q_idx = tl.program_id(1) * BLOCK_Q + tl.arange(0, BLOCK_Q)
-    q_in = q_idx < Q
-    z_row = z_ptr + tl.load(rows_ptr + i) * K * Q
-    acc = tl.zeros([BLOCK_Q], tl.float64)
-    for k0 in range(0, K, BLOCK_K):
-        k_idx = k0 + tl.arange(0, BLOCK_K)
-        k_in = k_idx < K
-        g = tl.load(g_ptr + i * K + k_idx, mask=k_in, other=0.0)
-        ok = k_in[:, None] & q_in[None, :]
-        z = tl.load(z_row + k_idx[:, None].to(tl.int64) * Q + q_idx[None, :], mask=ok, other=0.0)
-        acc += tl.sum(g[:, None] * z, axis=0)
-    tl.store(out_ptr + i * Q + q_idx, acc, mask=q_in)
 
 
 def _check_contiguous(t: torch.Tensor, name: str) -> None:
@@ -238,22 +215,3 @@ def add_outer(target: torch.Tensor, rows: torch.Tensor, a: torch.Tensor, b: torc
         target, rows.contiguous(), a.contiguous(), b.contiguous(), size_a, size_b,
         BLOCK_A=block_a, BLOCK_B=block_b, num_warps=num_warps, enable_fp_fusion=False,
     )  # fmt: skip
-
-
-def row_vecmat(z: torch.Tensor, rows: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """``[n, Q]`` float64 ``g[n] @ z[rows[n]]`` for contiguous ``z`` ``[R, K, Q]`` and ``g`` ``[n, K]``, without
-    gathering ``z[rows]`` (neither modified)."""
-    n, (_, k_slots, q_slots) = rows.numel(), z.shape
-    _check_contiguous(z, "row_vecmat")
-    out = torch.zeros(n, q_slots, dtype=torch.float64, device=z.device)
-    if n == 0 or k_slots == 0 or q_slots == 0:
-        return out
-    block_k, block_q, num_warps = VECMAT_TILE
-    _vecmat_kernel[(n, triton.cdiv(q_slots, block_q))](
-        z, rows.contiguous(), g.contiguous(), out, k_slots, q_slots,
-        BLOCK_K=block_k, BLOCK_Q=block_q, num_warps=num_warps,
-    )  # fmt: skip
-    return out
-
-
-TRITON_OPS = UpdateOps(add_outer, row_vecmat)
