@@ -9,9 +9,9 @@ state (Cholesky of G_SS + lambda I, H, v, r, s and Z = H G[S, P]: O(k^2 (d_in - 
 the state's memory per row, and the floor of this design: the Cholesky factor ``L`` of ``G_SS + lambda I`` and the
 Schur complement ``s_p = G_pp + lambda - ||L^{-1} G[S, p]||^2`` of every pruned ``p`` (one triangular solve against
 all of ``G[S, P]``, ``k^2 (d_in - k)`` flops), which the pair scan's bound ``dF >= -r_p^2 / s_p`` needs before it can
-skip any column; and the torch state build both ways (``build_state(explicit_inverse=...)``: Cholesky solves
-against ``I``, ``b_S`` and ``G[S, P]``, or the factor's inverse and matrix products; the default is the solves on
-the CPU, the products on CUDA). Figures go to BENCHMARKS.md only from a quiet machine.
+skip any column; and the torch state build with ``H`` formed both ways
+(``build_state(triangular_inverse=...)``: ``torch.cholesky_inverse``, the CPU default, or the factor's
+triangular inverse and a product, the CUDA default). Figures go to BENCHMARKS.md only from a quiet machine.
 
     python benchmarks/refit_swaps.py [--device cpu] [--widths 576 1536 4096] [--rows 8] [--iters 8] [--threads N]
 """
@@ -30,6 +30,9 @@ from sparseswaps_prune.core.refine import RefitRows
 from sparseswaps_prune.core.refit import damping, factor_kept, refit_weights
 from sparseswaps_prune.core.refit_swaps import build_state, pruned_slots
 from sparseswaps_prune.core.warmstart import warmstart_mask
+
+# Timed runs (after one warm-up) of the builds, the least-squares re-fit and the floor.
+BUILD_REPEAT = 2
 
 
 def problem(d_in: int, rows: int, device: str, seed: int = 0):
@@ -74,10 +77,10 @@ def measure(
     d_in: int, n_rows: int, device: str, damp: float, search: str, iters: int
 ) -> tuple[int, float, dict[str, tuple[float, float, bool]], float, float, float, tuple[float, float]]:
     """``(k, state MiB per row, {engine: (build s/row, iteration s/row, same masks as the torch engine)},
-    least-squares re-fit s/row, mask-only iteration s/row, floor s/row, (torch build by solves, by products)
-    s/row)`` for one width. An iteration is the pair scan of every row plus the updates of
-    the applied swaps, averaged over ``iters`` iterations after one warm-up iteration (the compiled engine folds its
-    pending terms every few moves)."""
+    least-squares re-fit s/row, mask-only iteration s/row, floor s/row, (torch build s/row with H by
+    cholesky_inverse, by the triangular inverse))`` for one width. An iteration is the pair scan of every row plus
+    the updates of the applied swaps, averaged over ``iters`` iterations after one warm-up iteration (the compiled
+    engine folds its pending terms every few moves)."""
     weight, gram, keep = problem(d_in, n_rows, device)
     k = int(keep.sum(1).max())
     q = d_in - k
@@ -90,7 +93,7 @@ def measure(
         def build(engine: str = engine) -> RefitRows:
             return RefitRows(weight, keep.clone(), gram, lam=lam, m=None, row_batch=n_rows, cross=False, engine=engine)
 
-        build_s = timed(build, repeat=1)
+        build_s = timed(build, repeat=BUILD_REPEAT)
         model = build()
 
         def iteration(model: RefitRows = model) -> None:
@@ -107,7 +110,7 @@ def measure(
         masks[engine] = model.keep
         same = torch.equal(model.keep, masks["torch"])
         figures[engine] = (build_s / n_rows, (time.perf_counter() - start) / iters / n_rows, same)
-    ls = timed(lambda: refit_weights(weight, gram, keep, damp=damp), repeat=1)
+    ls = timed(lambda: refit_weights(weight, gram, keep, damp=damp), repeat=BUILD_REPEAT)
     w32, g32 = weight.float(), gram.float()
     corr = correlation(weight, gram, keep)
 
@@ -117,11 +120,10 @@ def measure(
         return corr + weight.gather(1, u[:, None]) * gram[u] - weight.gather(1, p[:, None]) * gram[p]
 
     mask_it = timed(mask_iteration)
-    floor = timed(lambda: schur_floor(weight, gram, keep, lam), repeat=1)
+    floor = timed(lambda: schur_floor(weight, gram, keep, lam), repeat=BUILD_REPEAT)
     builds = tuple(
-        timed(lambda explicit=explicit: build_state(weight, keep, gram, lam, k, q, explicit_inverse=explicit), 1)
-        / n_rows
-        for explicit in (False, True)
+        timed(lambda tri=tri: build_state(weight, keep, gram, lam, k, q, triangular_inverse=tri), BUILD_REPEAT) / n_rows
+        for tri in (False, True)
     )
     mib = (k * k + k * q) * 8 / 2**20
     return k, mib, figures, ls / n_rows, mask_it / n_rows, floor / n_rows, builds
@@ -144,18 +146,18 @@ def main() -> None:
     )
     print(
         f"{'d_in':>5} {'k':>5} {'state MiB/row':>13} {'engine':>6} {'build s/row':>11} {'refit it s/row':>14} "
-        f"{'ls re-fit s/row':>15} {'mask it s/row':>13} {'floor s/row':>11} {'same':>4} {'solves s/row':>12} "
-        f"{'products s/row':>14}"
+        f"{'ls re-fit s/row':>15} {'mask it s/row':>13} {'floor s/row':>11} {'same':>4} {'H potri s/row':>13} "
+        f"{'H trsm s/row':>12}"
     )
     search = resolve_backend("auto", torch.device(args.device), None)
     for d_in in args.widths:
-        k, mib, figures, ls, mask_it, floor, (solves, products) = measure(
+        k, mib, figures, ls, mask_it, floor, (by_solve, by_trsm) = measure(
             d_in, args.rows, args.device, args.damp, search, args.iters
         )
         for engine, (build, refit_it, same) in figures.items():
             print(
                 f"{d_in:>5} {k:>5} {mib:>13.1f} {engine:>6} {build:>11.3e} {refit_it:>14.3e} {ls:>15.3e} "
-                f"{mask_it:>13.3e} {floor:>11.3e} {'yes' if same else 'NO':>4} {solves:>12.3e} {products:>14.3e}"
+                f"{mask_it:>13.3e} {floor:>11.3e} {'yes' if same else 'NO':>4} {by_solve:>13.3e} {by_trsm:>12.3e}"
             )
 
 

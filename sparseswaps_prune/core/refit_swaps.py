@@ -104,21 +104,21 @@ def build_state(
     n_pruned_slots: int,
     *,
     row_offset: int | torch.Tensor = 0,
-    explicit_inverse: bool | None = None,
+    triangular_inverse: bool | None = None,
 ) -> RefitState:
-    """Re-fit state of every row from scratch, ``O(k^2 (d_in - k) + k^3)`` per row.
+    """Re-fit state of every row from scratch, ``O(k^2 (d_in - k) + k^3)`` per row: the Cholesky factor ``L`` of
+    ``G_SS + lambda I``, then ``H``, and ``v = H b_S``, ``Z = H G[S, P]`` as batched matrix products (on the CPU
+    faster than triangular solves against ``L``; BENCHMARKS.md, "Re-fit-objective swaps").
 
     Args:
         w64: ``[R, d]`` float64 weights; keep: ``[R, d]`` bool kept mask (neither modified).
         gram64: ``[d, d]`` float64 Gram matrix; lam: absolute damping ``lambda``.
         n_kept_slots, n_pruned_slots: slot counts ``K >= max k_i`` and ``Q >= max (d - k_i)``.
         row_offset: layer index of row 0 (an int), or ``[R]`` layer indices, for error messages.
-        explicit_inverse: form ``H`` from the inverse of the Cholesky factor (a batched triangular solve against
-            ``I`` and a product) and ``v``, ``Z`` as products with ``H`` (``Z = H G[S, P]``, one batched matrix
-            product) instead of by Cholesky solves against ``I``, ``b_S`` and ``G[S, P]``. About the same flops,
-            but batched Cholesky solves with many right-hand sides run far below the float64 peak on CUDA
-            (BENCHMARKS.md, "GPU") where matrix products do not. The two agree to rounding. None: True on CUDA,
-            False elsewhere.
+        triangular_inverse: form ``H = L^-T L^-1`` from the factor's triangular inverse (a batched triangular solve
+            against ``I``, then a product) instead of by ``torch.cholesky_inverse`` (LAPACK's ``potri`` on the CPU,
+            there the faster); batched Cholesky solves with many right-hand sides ran far below the float64 peak on
+            CUDA (BENCHMARKS.md, "GPU"). The two agree to rounding. None: True on CUDA, False elsewhere.
 
     Returns:
         A new :class:`RefitState` (float64 on ``w64``'s device, every tensor contiguous).
@@ -132,28 +132,25 @@ def build_state(
     pruned, pruned_ok = pruned_slots(keep, n_pruned_slots)
 
     pair_ok = kept_ok[:, :, None] & kept_ok[:, None, :]
-    eye = torch.eye(n_kept_slots, dtype=torch.float64, device=dev).expand_as(factor)
     target = w64 @ gram64  # b = G w, G symmetric
     kept_target = torch.where(kept_ok, target.gather(1, kept), 0.0)[:, :, None]
     cross = gram64[kept[:, :, None], pruned[:, None, :]] * (kept_ok[:, :, None] & pruned_ok[:, None, :])
-    # vacant kept slots: the factor is the identity there and the right-hand sides are zero, so v and Z are 0
-    if explicit_inverse is None:
-        explicit_inverse = dev.type == "cuda"
-    if explicit_inverse:
+    if triangular_inverse is None:
+        triangular_inverse = dev.type == "cuda"
+    if triangular_inverse:
+        eye = torch.eye(n_kept_slots, dtype=torch.float64, device=dev).expand_as(factor)
         half = torch.linalg.solve_triangular(factor, eye, upper=False)  # L^-1
         inv = (half.mT @ half) * pair_ok
-        coef = (inv @ kept_target).squeeze(2)
-        z = inv @ cross
     else:
-        # batched cholesky_inverse is ~40x slower than a Cholesky solve against I on the CPU (torch 2.13)
-        inv = torch.cholesky_solve(eye, factor) * pair_ok
-        coef = torch.cholesky_solve(kept_target, factor).squeeze(2)
-        z = torch.cholesky_solve(cross, factor)
+        inv = torch.cholesky_inverse(factor) * pair_ok
+    # zero rows and columns of H at vacant kept slots make v and Z zero there
+    coef = (inv @ kept_target).squeeze(2)
+    z = inv @ cross
     resid = torch.where(pruned_ok, target.gather(1, pruned) - torch.einsum("rkq,rk->rq", cross, coef), 0.0)
     diag = torch.diagonal(gram64)
-    schur = torch.where(pruned_ok, diag[pruned] + lam - torch.einsum("rkq,rkq->rq", cross, z), 1.0)
-    # LAPACK's solves return column-major batches; the state is row-major like the preallocated one rows are
-    # assigned into, the layout the Triton engine addresses
+    schur = torch.where(pruned_ok, diag[pruned] + lam - (cross * z).sum(dim=1), 1.0)  # faster than an einsum
+    # LAPACK returns column-major batches; the state is row-major like the preallocated one rows are assigned
+    # into, the layout the Triton engine addresses
     return RefitState(kept, kept_ok, pruned, pruned_ok, inv.contiguous(), coef, resid, schur, z.contiguous())
 
 

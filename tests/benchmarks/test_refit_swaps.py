@@ -17,7 +17,7 @@ def test_measure_times_both_engines(benchmark_script):
     assert set(figures) == {"torch", "numba"}
     assert all(build > 0 and it > 0 and same for build, it, same in figures.values())
     assert ls > 0 and mask_it > 0 and floor > 0
-    assert len(builds) == 2 and all(build > 0 for build in builds)  # by solves, by products
+    assert len(builds) == 2 and all(build > 0 for build in builds)  # H by cholesky_inverse, by the triangular inverse
 
 
 def test_the_floor_computes_the_states_schur_complements(benchmark_script):

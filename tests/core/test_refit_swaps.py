@@ -170,26 +170,27 @@ def test_state_updates_match_a_rebuild():
         assert torch.allclose(state.schur[r, pi], fresh.schur[r, fp], rtol=1e-9, atol=1e-9)
 
 
-def test_explicit_inverse_build_agrees_with_the_cholesky_solves():
+def test_both_inverses_build_the_same_state():
     weight, gram = layer_problem(6, 24, seed=3)
     keep = warmstart_mask(weight, "wanda", sparsity=0.6, gram=gram, scope="layer")  # unequal row counts
     counts = keep.sum(1)
     lam = damping(gram, 0.01)
     k, q = int(counts.max()) + 2, int((24 - counts).max()) + 2  # vacant slots in every row
-    solved = rs.build_state(weight, keep, gram, lam, k, q, explicit_inverse=False)
-    products = rs.build_state(weight, keep, gram, lam, k, q, explicit_inverse=True)
-    default = rs.build_state(weight, keep, gram, lam, k, q)  # on the CPU: the solves
+    solved = rs.build_state(weight, keep, gram, lam, k, q, triangular_inverse=False)
+    triangular = rs.build_state(weight, keep, gram, lam, k, q, triangular_inverse=True)
+    default = rs.build_state(weight, keep, gram, lam, k, q)  # on the CPU: cholesky_inverse
     for f in fields(rs.RefitState):
         assert torch.equal(getattr(default, f.name), getattr(solved, f.name)), f.name
     for name in ("kept", "kept_ok", "pruned", "pruned_ok"):
-        assert torch.equal(getattr(products, name), getattr(solved, name))
+        assert torch.equal(getattr(triangular, name), getattr(solved, name))
     for name in ("inv", "coef", "resid", "schur", "z"):
-        a, b = getattr(products, name), getattr(solved, name)
-        assert a.is_contiguous() and torch.allclose(a, b, rtol=1e-9, atol=1e-12), name
-    vacant = ~products.kept_ok
-    assert not products.z[vacant].any() and not products.inv[vacant].any() and not products.coef[vacant].any()
+        a, b = getattr(triangular, name), getattr(solved, name)
+        assert a.is_contiguous() and b.is_contiguous() and torch.allclose(a, b, rtol=1e-9, atol=1e-12), name
+    for state in (solved, triangular):
+        vacant = ~state.kept_ok
+        assert not state.z[vacant].any() and not state.inv[vacant].any() and not state.coef[vacant].any()
     rows, floor = torch.arange(6), rs.pivot_floor(gram, lam)
-    chosen = [rs.scan_swaps(state, weight, rows, floor)[1:] for state in (products, solved)]
+    chosen = [rs.scan_swaps(state, weight, rows, floor)[1:] for state in (triangular, solved)]
     assert all(torch.equal(a, b) for a, b in zip(*chosen, strict=True))  # the same swaps
 
 

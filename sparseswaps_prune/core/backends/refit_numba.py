@@ -34,8 +34,7 @@ import numpy as np
 import torch
 
 from sparseswaps_prune.core.backends.numba_search import min_key64
-from sparseswaps_prune.core.refit import factor_kept
-from sparseswaps_prune.core.refit_swaps import pruned_slots
+from sparseswaps_prune.core.refit_swaps import build_state
 
 # Pending rank-one terms per row before they are folded into H0 and Z0 (two per move).
 FACTOR_SLOTS = 16
@@ -375,9 +374,10 @@ class NumbaRefitState:
         return self.kept.shape[1], self.pruned.shape[1]
 
     def build(self, rows: torch.Tensor, *, row_offset: int | torch.Tensor = 0) -> None:
-        """Rebuild rows ``rows`` (``[n]`` int64) from ``keep`` from scratch, in place: Cholesky of
-        ``G_SS + lambda I``, ``H0 = (G_SS + lambda I)^{-1}``, ``v``, ``Z0 = H0 G[S, P]``, ``r``, ``s``; no pending
-        terms. ``row_offset``: layer indices of ``rows`` (tensor) or of row 0 (int), for the singular-system error.
+        """Rebuild rows ``rows`` (``[n]`` int64) from ``keep`` from scratch, in place, by
+        :func:`~sparseswaps_prune.core.refit_swaps.build_state` (Cholesky of ``G_SS + lambda I``,
+        ``H0 = (G_SS + lambda I)^{-1}``, ``v``, ``Z0 = H0 G[S, P]``, ``r``, ``s``); no pending terms.
+        ``row_offset``: layer indices of ``rows`` (tensor) or of row 0 (int), for the singular-system error.
 
         Raises:
             ValueError: ``G_SS + lambda I`` is not positive definite for some rows (names them; raise ``damp``).
@@ -385,27 +385,16 @@ class NumbaRefitState:
         k_slots, q_slots = self.slots
         chunk = max(1, BUILD_ELEMENTS // max(1, k_slots * q_slots))
         names = rows + row_offset if isinstance(row_offset, int) else row_offset
-        diag = torch.diagonal(self.gram64)
         for c0 in range(0, rows.numel(), chunk):
             sub = rows[c0 : c0 + chunk]
-            keep = self.keep[sub]
-            kept, kept_ok, factor = factor_kept(self.gram64, keep, self.lam, k_slots, row_offset=names[c0 : c0 + chunk])
-            kept = torch.where(kept_ok, kept, 0)
-            pruned, pruned_ok = pruned_slots(keep, q_slots)
-            inv = torch.cholesky_inverse(factor) * (kept_ok[:, :, None] & kept_ok[:, None, :])
-            target = self.w64[sub] @ self.gram64
-            rhs = torch.where(kept_ok, target.gather(1, kept), 0.0)[:, :, None]
-            half = torch.linalg.solve_triangular(factor, rhs, upper=False)
-            coef = torch.linalg.solve_triangular(factor.mT, half, upper=True).squeeze(2)
-            cross = self.gram64[pruned[:, :, None], kept[:, None, :]]
-            cross *= pruned_ok[:, :, None] & kept_ok[:, None, :]  # G[P, S], [n, Q, K]
-            zt = torch.bmm(cross, inv)  # Z^T = G[P, S] H
-            fitted = torch.bmm(cross, coef[:, :, None]).squeeze(2)  # G[P, S] v
-            resid = torch.where(pruned_ok, target.gather(1, pruned) - fitted, 0.0)
-            schur = torch.where(pruned_ok, diag[pruned] + self.lam - (cross * zt).sum(dim=2), 1.0)
-            self.kept[sub], self.kept_ok[sub], self.pruned[sub], self.pruned_ok[sub] = kept, kept_ok, pruned, pruned_ok
-            self.inv[sub], self.hdiag[sub], self.coef[sub] = inv, torch.diagonal(inv, dim1=1, dim2=2), coef
-            self.resid[sub], self.schur[sub], self.zt[sub] = resid, schur, zt
+            batch = names[c0 : c0 + chunk]
+            fresh = build_state(
+                self.w64[sub], self.keep[sub], self.gram64, self.lam, k_slots, q_slots, row_offset=batch
+            )
+            for name in ("kept", "kept_ok", "pruned", "pruned_ok", "inv", "coef", "resid", "schur"):
+                getattr(self, name)[sub] = getattr(fresh, name)
+            self.hdiag[sub] = torch.diagonal(fresh.inv, dim1=1, dim2=2)
+            self.zt[sub] = fresh.z.mT
             self.fa[sub], self.fc[sub], self.fb[sub], self.rank[sub] = 0.0, 0.0, 0.0, 0
 
     def scan(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
