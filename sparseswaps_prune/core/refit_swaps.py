@@ -105,6 +105,7 @@ def build_state(
     *,
     row_offset: int | torch.Tensor = 0,
     triangular_inverse: bool | None = None,
+    transposed_z: bool = False,
 ) -> RefitState:
     """Re-fit state of every row from scratch, ``O(k^2 (d_in - k) + k^3)`` per row: the Cholesky factor ``L`` of
     ``G_SS + lambda I``, then ``H``, and ``v = H b_S``, ``Z = H G[S, P]`` as batched matrix products (on the CPU
@@ -119,9 +120,12 @@ def build_state(
             against ``I``, then a product) instead of by ``torch.cholesky_inverse`` (LAPACK's ``potri`` on the CPU,
             there the faster); batched Cholesky solves with many right-hand sides ran far below the float64 peak on
             CUDA (BENCHMARKS.md, "GPU"). The two agree to rounding. None: True on CUDA, False elsewhere.
+        transposed_z: form ``Z^T = G[P, S] H`` (``[R, Q, K]``, a column of ``Z`` contiguous: the numba engine's
+            layout) and return ``z`` as its ``[R, K, Q]`` transpose view.
 
     Returns:
-        A new :class:`RefitState` (float64 on ``w64``'s device, every tensor contiguous).
+        A new :class:`RefitState` (float64 on ``w64``'s device, every tensor contiguous but ``z`` with
+        ``transposed_z``).
 
     Raises:
         ValueError: ``G_SS + lambda I`` is not positive definite for some rows (names them; raise ``damp``).
@@ -134,7 +138,6 @@ def build_state(
     pair_ok = kept_ok[:, :, None] & kept_ok[:, None, :]
     target = w64 @ gram64  # b = G w, G symmetric
     kept_target = torch.where(kept_ok, target.gather(1, kept), 0.0)[:, :, None]
-    cross = gram64[kept[:, :, None], pruned[:, None, :]] * (kept_ok[:, :, None] & pruned_ok[:, None, :])
     if triangular_inverse is None:
         triangular_inverse = dev.type == "cuda"
     if triangular_inverse:
@@ -142,16 +145,22 @@ def build_state(
         half = torch.linalg.solve_triangular(factor, eye, upper=False)  # L^-1
         inv = (half.mT @ half) * pair_ok
     else:
-        inv = torch.cholesky_inverse(factor) * pair_ok
+        inv = torch.cholesky_inverse(factor).mT * pair_ok  # exactly symmetric: .mT is its row-major view
     # zero rows and columns of H at vacant kept slots make v and Z zero there
     coef = (inv @ kept_target).squeeze(2)
-    z = inv @ cross
-    resid = torch.where(pruned_ok, target.gather(1, pruned) - torch.einsum("rkq,rk->rq", cross, coef), 0.0)
-    diag = torch.diagonal(gram64)
-    schur = torch.where(pruned_ok, diag[pruned] + lam - (cross * z).sum(dim=1), 1.0)  # faster than an einsum
-    # LAPACK returns column-major batches; the state is row-major like the preallocated one rows are assigned
-    # into, the layout the Triton engine addresses
-    return RefitState(kept, kept_ok, pruned, pruned_ok, inv.contiguous(), coef, resid, schur, z.contiguous())
+    if transposed_z:
+        cross = gram64[pruned[:, :, None], kept[:, None, :]].mul_(pruned_ok[:, :, None] & kept_ok[:, None, :])
+        z = cross @ inv  # Z^T = G[P, S] H
+        fitted, quad = (cross @ coef[:, :, None]).squeeze(2), (cross * z).sum(dim=2)  # G[p, S] v, G[p, S] Z[:, p]
+        z = z.mT
+    else:
+        cross = gram64[kept[:, :, None], pruned[:, None, :]].mul_(kept_ok[:, :, None] & pruned_ok[:, None, :])
+        z = inv @ cross
+        fitted, quad = torch.einsum("rkq,rk->rq", cross, coef), (cross * z).sum(dim=1)  # (an einsum is slower)
+    resid = torch.where(pruned_ok, target.gather(1, pruned) - fitted, 0.0)
+    schur = torch.where(pruned_ok, torch.diagonal(gram64)[pruned] + lam - quad, 1.0)
+    # the state is row-major like the preallocated one rows are assigned into, the layout the Triton engine addresses
+    return RefitState(kept, kept_ok, pruned, pruned_ok, inv.contiguous(), coef, resid, schur, z)
 
 
 def restorable(state: RefitState, w64: torch.Tensor, rows: torch.Tensor | slice = slice(None)) -> torch.Tensor:

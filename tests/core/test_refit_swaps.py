@@ -170,7 +170,7 @@ def test_state_updates_match_a_rebuild():
         assert torch.allclose(state.schur[r, pi], fresh.schur[r, fp], rtol=1e-9, atol=1e-9)
 
 
-def test_both_inverses_build_the_same_state():
+def test_every_build_variant_gives_the_same_state():
     weight, gram = layer_problem(6, 24, seed=3)
     keep = warmstart_mask(weight, "wanda", sparsity=0.6, gram=gram, scope="layer")  # unequal row counts
     counts = keep.sum(1)
@@ -186,7 +186,11 @@ def test_both_inverses_build_the_same_state():
     for name in ("inv", "coef", "resid", "schur", "z"):
         a, b = getattr(triangular, name), getattr(solved, name)
         assert a.is_contiguous() and b.is_contiguous() and torch.allclose(a, b, rtol=1e-9, atol=1e-12), name
-    for state in (solved, triangular):
+    transposed = rs.build_state(weight, keep, gram, lam, k, q, transposed_z=True)
+    assert transposed.z.mT.is_contiguous() and torch.allclose(transposed.z, solved.z, rtol=1e-9, atol=1e-12)
+    for name in ("resid", "schur"):
+        assert torch.allclose(getattr(transposed, name), getattr(solved, name), rtol=1e-9, atol=1e-12)
+    for state in (solved, triangular, transposed):
         vacant = ~state.kept_ok
         assert not state.z[vacant].any() and not state.inv[vacant].any() and not state.coef[vacant].any()
     rows, floor = torch.arange(6), rs.pivot_floor(gram, lam)

@@ -389,8 +389,9 @@ class NumbaRefitState:
             sub = rows[c0 : c0 + chunk]
             batch = names[c0 : c0 + chunk]
             fresh = build_state(
-                self.w64[sub], self.keep[sub], self.gram64, self.lam, k_slots, q_slots, row_offset=batch
-            )
+                self.w64[sub], self.keep[sub], self.gram64, self.lam, k_slots, q_slots, row_offset=batch,
+                transposed_z=True,
+            )  # fmt: skip
             for name in ("kept", "kept_ok", "pruned", "pruned_ok", "inv", "coef", "resid", "schur"):
                 getattr(self, name)[sub] = getattr(fresh, name)
             self.hdiag[sub] = torch.diagonal(fresh.inv, dim1=1, dim2=2)
