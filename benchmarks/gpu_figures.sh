@@ -17,14 +17,14 @@ if [ "$stage" = short ]; then
   # larger row batches: the torch engine's launches are shared by more rows (not measured yet)
   step 150 python3 benchmarks/refit_swaps.py --device cuda --widths 576 1536 4096 --rows 64
 fi
-if [ "$stage" = refit ]; then  # the re-fit objective's engines (torch, triton) at 2 to 256 rows per batch: ~3 min on an H200
+if [ "$stage" = refit ]; then  # the re-fit objective's engines (torch, triton) at 2 to 256 rows per batch: ~4 min on an H200
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   python3 -c "import torch, triton; print(torch.__version__, triton.__version__)"
   step 90 python3 -m pytest -q -p no:cacheprovider tests/core/test_refit_triton.py tests/core/test_triton.py
   for rows in 2 16 256; do
     step 100 python3 benchmarks/refit_swaps.py --device cuda --widths 576 1536 4096 --rows $rows
   done
-  step 120 python3 benchmarks/refit_swaps.py --device cuda --widths 14336 --rows 32
+  step 200 python3 benchmarks/refit_swaps.py --device cuda --widths 14336 --rows 32
 fi
 if [ "$stage" = short ] || [ "$stage" = pipeline ]; then
   step 300 python3 benchmarks/llm_pipeline.py --model llama-3.1-8b --blocks 2 --iters 0 1 5 25 100 --device cuda \
