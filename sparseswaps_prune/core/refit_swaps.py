@@ -361,9 +361,9 @@ def add_pruned(
     else:
         place_pruned(state, rows, slot, incoming)
     # y is zero at vacant slots (dest included): spread it over the inputs, t_q = G_pq - y^T G[S, q]
-    spread = torch.zeros_like(gram64[p]).scatter_add_(1, state.kept[rows], y)
-    pruned = state.pruned[rows]
-    t = (gram64[p].gather(1, pruned) - (spread @ gram64).gather(1, pruned)) * state.pruned_ok[rows]
+    gram_p, pruned = gram64[p], state.pruned[rows]  # [n, d] rows G[p, :]
+    spread = torch.zeros_like(gram_p).scatter_add_(1, state.kept[rows], y)
+    t = (gram_p.gather(1, pruned) - (spread @ gram64).gather(1, pruned)) * state.pruned_ok[rows]
     y[ar, dest] = -1.0
     outer(state.inv, rows, y, y / pivot[:, None])
     state.coef[rows] -= y * ratio[:, None]
