@@ -11,7 +11,8 @@ exactly (eagerly).
 
 **The restore vector from the Gram, not from Z.** Restoring ``p`` needs ``t_q = G_pq - G[p, S] Z[:, q]`` for every
 pruned ``q`` (a pass over all of ``Z``); since ``G[p, S] Z[:, q] = y^T G[S, q]`` with ``y = Z[:, p]``, it is read off
-``sum_{s in S} y_s G[s, :]``, accumulated over rows of the shared ``G`` for a block of ``ROW_BLOCK`` rows at once.
+``sum_{s in S} y_s G[s, :]``: one BLAS product of the shared ``G`` with the columns ``y`` of all rows of a call,
+scattered to their kept inputs' positions.
 
 **The pair scan visits few columns.** Every swap's change satisfies ``dF(u, p) >= -r_p^2 / s_p`` (Cauchy-Schwarz, for
 any stored values with ``s_p, H_uu > 0``), so pruned slots are visited in descending order of that restore gain and
@@ -36,10 +37,11 @@ import torch
 from sparseswaps_prune.core.backends.numba_search import min_key64
 from sparseswaps_prune.core.refit_swaps import build_state
 
-# Pending rank-one terms per row before they are folded into H0 and Z0 (two per move).
-FACTOR_SLOTS = 16
-# Rows of one apply call sharing each pass over rows of G.
-ROW_BLOCK = 16
+# Pending rank-one terms per row before they are folded into H0 and Z0 (two per move): 32 moves, so runs of up to
+# 32 iterations never fold. A fold costs about K Q multiply-adds per term; a pending term costs K per column the
+# scan visits (1-8 per row and iteration) and K + Q per move, so folding early does not pay. Memory: 8 F (K + Q)
+# bytes per row, F / K of the state's (4-28% at 60% of 4096-576 inputs).
+FACTOR_SLOTS = 64
 # A restore slot is skipped when -gain exceeds the row's best swap by this relative margin (rounding guard; the
 # evaluation error of a pair cost is a few ulps of remove_u + gain_p).
 SKIP_RTOL = 1e-12
@@ -248,63 +250,51 @@ def _restore(r, dest, p, piv, ratio, y, acc, t, gram, kept, kept_ok, pruned, pru
 
 
 @nb.njit(parallel=True, cache=True)
-def _apply(
-    rows, ops, slot_a, slot_b, gram, kept, kept_ok, pruned, pruned_ok, inv, hdiag, coef, resid, schur, zt, fa, fc,
-    fb, rank, block, out_u, out_p,
+def _remove_all(
+    rows, ops, slot_a, slot_b, kept, kept_ok, pruned, pruned_ok, inv, hdiag, coef, resid, schur, zt, fa, fc, fb,
+    rank, y, spread, pivot, ratio, out_u, out_p,
 ):  # pragma: no cover - compiled  # fmt: skip
-    """Apply one move per entry: ``ops[e]`` 0 = swap kept slot ``slot_a`` with pruned slot ``slot_b``; 1 = prune kept
-    slot ``slot_a`` into vacant pruned slot ``slot_b``; 2 = restore pruned slot ``slot_b`` into vacant kept slot
-    ``slot_a``. Rows are distinct; each needs two free term slots. Writes the pruned and restored inputs (-1 where
-    none)."""
-    n = rows.shape[0]
+    """First pass of a call's moves (see :meth:`NumbaRefitState._moves`), one entry per (distinct) row: the removals
+    of swaps and prunes, the placing of the pruned input, and for swaps and restores the restored input ``p``'s
+    column ``y[e] = Z[:, p]``, its pivot ``s_p``, its re-fitted value ``r_p / s_p``, and ``y`` scattered to the kept
+    inputs' positions (``spread[e]``, zero elsewhere). Writes the pruned and restored inputs (-1 where none)."""
     k_slots = kept.shape[1]
-    q_slots = pruned.shape[1]
-    d = gram.shape[0]
-    for bk in nb.prange((n + block - 1) // block):
-        e0 = bk * block
-        ne = min(n, e0 + block) - e0
-        y = np.zeros((ne, k_slots))
-        acc = np.zeros((ne, d))
-        slot_of = np.full((ne, d), -1, np.int64)
-        pivot = np.ones(ne)
-        ratio = np.zeros(ne)
+    for e in nb.prange(rows.shape[0]):
+        r, op = rows[e], ops[e]
+        out_u[e], out_p[e] = -1, -1
         zin = np.empty(k_slots)
-        for a in range(ne):
-            e = e0 + a
-            r, op = rows[e], ops[e]
-            out_u[e], out_p[e] = -1, -1
-            u, r_in, s_in = np.int64(0), 0.0, 1.0
-            if op != _ADD:
-                u, r_in, s_in = _remove(r, slot_a[e], kept, kept_ok, inv, hdiag, coef, resid, schur, zt, fa, fc, fb,
-                                        rank, zin)  # fmt: skip
-                out_u[e] = u
-                if op == _REMOVE:
-                    _place(r, slot_b[e], u, zin, r_in, s_in, True, pruned, pruned_ok, resid, schur, zt, fb, rank)
-                    continue
-            j = slot_b[e]
-            _column(zt, fa, fb, rank[r], r, j, y[a])
-            pivot[a] = schur[r, j]
-            ratio[a] = resid[r, j] / pivot[a]  # the restored weight's re-fitted value
-            out_p[e] = pruned[r, j]
-            _place(r, j, u, zin, r_in, s_in, op == _SWAP, pruned, pruned_ok, resid, schur, zt, fb, rank)
-            for i in range(k_slots):
-                if kept_ok[r, i]:
-                    slot_of[a, kept[r, i]] = i
-        # acc = sum_{s in S} y_s G[s, :] per entry, each row of G read once for the block
-        for s in range(d):
-            for a in range(ne):
-                i = slot_of[a, s]
-                if i >= 0:
-                    c = y[a, i]
-                    if c != 0.0:
-                        for q in range(d):
-                            acc[a, q] += c * gram[s, q]
-        t = np.empty(q_slots)
-        for a in range(ne):
-            e = e0 + a
-            if ops[e] != _REMOVE:
-                _restore(rows[e], slot_a[e], out_p[e], pivot[a], ratio[a], y[a], acc[a], t, gram, kept, kept_ok,
-                         pruned, pruned_ok, hdiag, coef, resid, schur, fa, fc, fb, rank)  # fmt: skip
+        u, r_in, s_in = np.int64(0), 0.0, 1.0
+        if op != _ADD:
+            u, r_in, s_in = _remove(r, slot_a[e], kept, kept_ok, inv, hdiag, coef, resid, schur, zt, fa, fc, fb,
+                                    rank, zin)  # fmt: skip
+            out_u[e] = u
+            if op == _REMOVE:
+                _place(r, slot_b[e], u, zin, r_in, s_in, True, pruned, pruned_ok, resid, schur, zt, fb, rank)
+                continue
+        j = slot_b[e]
+        _column(zt, fa, fb, rank[r], r, j, y[e])
+        pivot[e] = schur[r, j]
+        ratio[e] = resid[r, j] / pivot[e]  # the restored weight's re-fitted value
+        out_p[e] = pruned[r, j]
+        _place(r, j, u, zin, r_in, s_in, op == _SWAP, pruned, pruned_ok, resid, schur, zt, fb, rank)
+        for i in range(k_slots):
+            if kept_ok[r, i]:
+                spread[e, kept[r, i]] = y[e, i]
+
+
+@nb.njit(parallel=True, cache=True)
+def _restore_all(
+    rows, ops, slot_a, gram, kept, kept_ok, pruned, pruned_ok, hdiag, coef, resid, schur, fa, fc, fb, rank, y,
+    products, pivot, ratio, out_p,
+):  # pragma: no cover - compiled  # fmt: skip
+    """Second pass: the restores of swaps and restores, with ``products[e] = spread[e] @ G`` (``= sum_{s in S} y_s
+    G[s, :]``)."""
+    q_slots = pruned.shape[1]
+    for e in nb.prange(rows.shape[0]):
+        if ops[e] != _REMOVE:
+            t = np.empty(q_slots)
+            _restore(rows[e], slot_a[e], out_p[e], pivot[e], ratio[e], y[e], products[e], t, gram, kept, kept_ok,
+                     pruned, pruned_ok, hdiag, coef, resid, schur, fa, fc, fb, rank)  # fmt: skip
 
 
 # Elements of the [rows, Q, K] temporaries of one build chunk (32 MiB float64 each).
@@ -456,13 +446,25 @@ class NumbaRefitState:
         if n == 0:
             return torch.from_numpy(out_u), torch.from_numpy(out_p)
         self.fold(rows[self.rank[rows] + 2 > self.factor_slots])
-        _apply(
-            rows.contiguous().numpy(), np.full(n, op, np.int64), slot_a.contiguous().numpy(),
-            slot_b.contiguous().numpy(), self.gram64.numpy(), self.kept.numpy(), self.kept_ok.numpy(),
-            self.pruned.numpy(), self.pruned_ok.numpy(), self.inv.numpy(), self.hdiag.numpy(), self.coef.numpy(),
-            self.resid.numpy(), self.schur.numpy(), self.zt.numpy(), self.fa.numpy(), self.fc.numpy(),
-            self.fb.numpy(), self.rank.numpy(), ROW_BLOCK, out_u, out_p,
+        k_slots = self.slots[0]
+        y, spread = np.zeros((n, k_slots)), torch.zeros(n, self.gram64.shape[0], dtype=torch.float64)
+        pivot, ratio = np.ones(n), np.zeros(n)
+        rows_np, ops = rows.contiguous().numpy(), np.full(n, op, np.int64)
+        slot_a_np = slot_a.contiguous().numpy()
+        kept, kept_ok, pruned, pruned_ok = (t.numpy() for t in (self.kept, self.kept_ok, self.pruned, self.pruned_ok))
+        hdiag, coef, resid, schur = (t.numpy() for t in (self.hdiag, self.coef, self.resid, self.schur))
+        fa, fc, fb, rank = (t.numpy() for t in (self.fa, self.fc, self.fb, self.rank))
+        _remove_all(
+            rows_np, ops, slot_a_np, slot_b.contiguous().numpy(), kept, kept_ok, pruned, pruned_ok, self.inv.numpy(),
+            hdiag, coef, resid, schur, self.zt.numpy(), fa, fc, fb, rank, y, spread.numpy(), pivot, ratio, out_u,
+            out_p,
         )  # fmt: skip
+        if op != _REMOVE:
+            products = (spread @ self.gram64).numpy()  # one BLAS pass over G for all restores of the call
+            _restore_all(
+                rows_np, ops, slot_a_np, self.gram64.numpy(), kept, kept_ok, pruned, pruned_ok, hdiag, coef, resid,
+                schur, fa, fc, fb, rank, y, products, pivot, ratio, out_p,
+            )  # fmt: skip
         return torch.from_numpy(out_u), torch.from_numpy(out_p)
 
     def swap(self, rows: torch.Tensor, slot_i: torch.Tensor, slot_j: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
