@@ -1,0 +1,107 @@
+"""Re-fit-objective swaps against mask-only swaps on every linear layer of the default model (CPU, real layers).
+
+One dense forward of the packaged SmolLM2-135M-Instruct over ``--nsamples`` built-in calibration windows gives the
+Gram of every linear layer of ``--blocks`` (all 30 by default). Every layer gets a Wanda mask of ``--pattern`` and is
+refined, row batch by row batch as :func:`~sparseswaps_prune.core.refine.refine_mask` batches it by default, for
+``--iters`` iterations (each: every row's best swap, then the applied swaps' state updates) under both objectives:
+the re-fit objective on the compiled CPU engine (``engine="numba"``, what ``backend="auto"`` runs on the CPU) and
+the mask objective on the default search backend. Printed per layer kind and summed over the model: seconds to
+build the re-fit state, seconds of the ``--iters`` re-fit iterations, of the same number of mask-only iterations,
+and of a least-squares re-fit of the Wanda mask (``refit_weights``), with the ratios the issue's targets name
+(re-fit iteration / mask-only iteration; state build / least-squares re-fit). The iterations' swaps are accepted
+when they lower the objective (``dL < 0``), without the planner's rounding floor.
+
+    python benchmarks/refit_model_iteration.py [--blocks 0 1 ...] [--pattern 60%] [--iters 10] [--nsamples 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import time
+from collections import defaultdict
+
+import torch
+from common import capture_grams, pattern_options
+
+from sparseswaps_prune.core.backends import resolve_backend
+from sparseswaps_prune.core.refine import MaskRows, RefitRows, _default_row_batch
+from sparseswaps_prune.core.refit import REFIT_DAMP, damping, refit_weights
+from sparseswaps_prune.core.warmstart import warmstart_mask
+
+CPU = torch.device("cpu")
+
+
+def iterate(model: MaskRows | RefitRows, iters: int) -> float:
+    """Seconds of ``iters`` iterations of ``model`` (best swap of every row, then the swaps that lower the loss)."""
+    rows = torch.arange(model.keep.shape[0])
+    started = time.perf_counter()
+    for _ in range(iters):
+        fig = model.figures(rows, cross=False)
+        accept = fig.swap_dl < 0
+        model.apply((rows[accept], fig.swap_a[accept], fig.swap_b[accept]))
+    return time.perf_counter() - started
+
+
+def measure(weight: torch.Tensor, gram: torch.Tensor, pattern: str, iters: int, damp: float) -> dict[str, float]:
+    """Seconds of one layer: re-fit state build, ``iters`` re-fit iterations, ``iters`` mask-only iterations and a
+    least-squares re-fit, over its default row batches."""
+    options = pattern_options(pattern)
+    nm = options["nm"]
+    w64, gram64 = weight.double(), gram.double()
+    keep = warmstart_mask(weight, "wanda", sparsity=options["sparsity"], nm=nm, gram=gram64)
+    lam = damping(gram64, damp)
+    out = defaultdict(float)
+    batch = _default_row_batch(keep, True, spare=0, device=CPU)
+    for r0 in range(0, keep.shape[0], batch):
+        sub = slice(r0, r0 + batch)
+        started = time.perf_counter()
+        model = RefitRows(w64[sub], keep[sub].clone(), gram64, lam=lam, m=nm and nm[1], row_batch=batch,
+                          cross=False, engine="numba")  # fmt: skip
+        out["build"] += time.perf_counter() - started
+        out["refit"] += iterate(model, iters)
+        del model
+    search = resolve_backend("auto", CPU, nm)
+    mask = MaskRows(w64, keep.clone(), gram64, gram64.float(), search=search, nm=nm,
+                    row_batch=_default_row_batch(keep, False, spare=0, device=CPU))  # fmt: skip
+    out["mask"] = iterate(mask, iters)
+    started = time.perf_counter()
+    refit_weights(weight, gram64, keep, damp=damp)
+    out["ls"] = time.perf_counter() - started
+    return dict(out)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--blocks", type=int, nargs="+", default=list(range(30)))
+    parser.add_argument("--pattern", default="60%", help="e.g. 60%% or 2:4")
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--nsamples", type=int, default=16, help="calibration windows")
+    parser.add_argument("--seqlen", type=int, default=256)
+    parser.add_argument("--damp", type=float, default=REFIT_DAMP)
+    args = parser.parse_args()
+    print(
+        f"machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
+        f"torch {torch.__version__}; {len(args.blocks)} blocks, {args.pattern}, {args.iters} iterations"
+    )
+    weights, grams = capture_grams(args.blocks, args.nsamples, args.nsamples, 0, args.seqlen)
+    # compile the kernels on a small layer first, so no layer's figures include compilation
+    first = next(iter(weights))
+    measure(weights[first][:4], grams[first]["small"].gram, args.pattern, 2, args.damp)
+    kinds: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    for name, weight in weights.items():
+        figures = measure(weight, grams[name]["small"].gram, args.pattern, args.iters, args.damp)
+        for key, value in figures.items():
+            kinds[name.rsplit(".", 1)[-1]][key] += value
+    kinds["all layers"] = {key: sum(s[key] for s in list(kinds.values())) for key in ("build", "ls", "refit", "mask")}
+    print(f"{'layers':>12} {'build s':>9} {'ls re-fit s':>11} {'build/ls':>8} {'refit its s':>11} "
+          f"{'mask its s':>10} {'refit/mask':>10}")  # fmt: skip
+    for kind, s in kinds.items():
+        print(
+            f"{kind:>12} {s['build']:>9.2f} {s['ls']:>11.2f} {s['build'] / s['ls']:>8.2f} {s['refit']:>11.2f} "
+            f"{s['mask']:>10.2f} {s['refit'] / s['mask']:>10.2f}"
+        )
+
+
+if __name__ == "__main__":
+    main()
