@@ -135,7 +135,6 @@ def build_state(
     kept = torch.where(kept_ok, kept, 0)
     pruned, pruned_ok = pruned_slots(keep, n_pruned_slots)
 
-    pair_ok = kept_ok[:, :, None] & kept_ok[:, None, :]
     target = w64 @ gram64  # b = G w, G symmetric
     kept_target = torch.where(kept_ok, target.gather(1, kept), 0.0)[:, :, None]
     if triangular_inverse is None:
@@ -143,18 +142,23 @@ def build_state(
     if triangular_inverse:
         eye = torch.eye(n_kept_slots, dtype=torch.float64, device=dev).expand_as(factor)
         half = torch.linalg.solve_triangular(factor, eye, upper=False)  # L^-1
-        inv = (half.mT @ half) * pair_ok
+        inv = half.mT @ half
     else:
-        inv = torch.cholesky_inverse(factor).mT * pair_ok  # exactly symmetric: .mT is its row-major view
-    # zero rows and columns of H at vacant kept slots make v and Z zero there
+        inv = torch.cholesky_inverse(factor).mT  # exactly symmetric: .mT is its row-major view
+    # Spare kept slots are identity rows and columns of the system (factor_kept), so H is exactly zero off the
+    # diagonal there; zeroing that diagonal zeroes H's rows and columns at vacant kept slots, and with them v, Z and
+    # every contribution of the (unmasked) gathered Gram entries at those slots below.
+    inv.diagonal(dim1=1, dim2=2).mul_(kept_ok)
     coef = (inv @ kept_target).squeeze(2)
     if transposed_z:
-        cross = gram64[pruned[:, :, None], kept[:, None, :]].mul_(pruned_ok[:, :, None] & kept_ok[:, None, :])
+        cross = gram64[pruned[:, :, None], kept[:, None, :]]
+        cross[~pruned_ok] = 0.0  # vacant pruned slots: zero Z there
         z = cross @ inv  # Z^T = G[P, S] H
         fitted, quad = (cross @ coef[:, :, None]).squeeze(2), (cross * z).sum(dim=2)  # G[p, S] v, G[p, S] Z[:, p]
         z = z.mT
     else:
-        cross = gram64[kept[:, :, None], pruned[:, None, :]].mul_(kept_ok[:, :, None] & pruned_ok[:, None, :])
+        cross = gram64[kept[:, :, None], pruned[:, None, :]]
+        cross.mT[~pruned_ok] = 0.0
         z = inv @ cross
         fitted, quad = torch.einsum("rkq,rk->rq", cross, coef), (cross * z).sum(dim=1)  # (an einsum is slower)
     resid = torch.where(pruned_ok, target.gather(1, pruned) - fitted, 0.0)

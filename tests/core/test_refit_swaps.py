@@ -193,6 +193,7 @@ def test_every_build_variant_gives_the_same_state():
     for state in (solved, triangular, transposed):
         vacant = ~state.kept_ok
         assert not state.z[vacant].any() and not state.inv[vacant].any() and not state.coef[vacant].any()
+        assert not state.inv.mT[vacant].any() and not state.z.mT[~state.pruned_ok].any()  # columns too
     rows, floor = torch.arange(6), rs.pivot_floor(gram, lam)
     chosen = [rs.scan_swaps(state, weight, rows, floor)[1:] for state in (triangular, solved)]
     assert all(torch.equal(a, b) for a, b in zip(*chosen, strict=True))  # the same swaps
