@@ -441,6 +441,11 @@ class NumbaRefitState:
         self.fa[rows], self.fc[rows], self.fb[rows], self.rank[rows] = 0.0, 0.0, 0.0, 0
 
     def _moves(self, op: int, rows: torch.Tensor, slot_a: torch.Tensor, slot_b: torch.Tensor):
+        """Apply one move ``op`` to each of the distinct ``rows`` (``[n]`` int64), in place: ``_SWAP`` kept slot
+        ``slot_a`` with pruned slot ``slot_b``; ``_REMOVE`` kept slot ``slot_a`` into vacant pruned slot ``slot_b``;
+        ``_ADD`` pruned slot ``slot_b`` into vacant kept slot ``slot_a``. Rows whose pending terms would overflow
+        are folded first. Three passes: :func:`_remove_all`, one BLAS product ``spread @ G`` of every restore's
+        column, :func:`_restore_all`. Returns the pruned and the restored inputs ``[n]`` int64 (-1 where none)."""
         n = rows.numel()
         out_u, out_p = np.empty(n, np.int64), np.empty(n, np.int64)
         if n == 0:
