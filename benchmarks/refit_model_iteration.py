@@ -8,8 +8,10 @@ the re-fit objective on the compiled CPU engine (``engine="numba"``, what ``back
 the mask objective on the default search backend. Printed per layer kind and summed over the model: seconds to
 build the re-fit state, seconds of the ``--iters`` re-fit iterations, of the same number of mask-only iterations,
 and of a least-squares re-fit of the Wanda mask (``refit_weights``), with the ratios the issue's targets name
-(re-fit iteration / mask-only iteration; state build / least-squares re-fit). The iterations' swaps are accepted
-when they lower the objective (``dL < 0``), without the planner's rounding floor.
+(re-fit iteration / mask-only iteration; state build / least-squares re-fit). The iterations are the library's
+loop (:func:`~sparseswaps_prune.core.refine.iterate` with the row scope's planner and its rounding floor, as
+``refine_mask`` runs them): a row whose best swap no longer lowers its loss retires, and only moved rows are
+scanned again.
 
     python benchmarks/refit_model_iteration.py [--blocks 0 1 ...] [--pattern 60%] [--iters 10] [--nsamples 16]
 """
@@ -24,22 +26,20 @@ from collections import defaultdict
 import torch
 from common import capture_grams, pattern_options
 
+from sparseswaps_prune.core import refine
 from sparseswaps_prune.core.backends import resolve_backend
-from sparseswaps_prune.core.refine import MaskRows, RefitRows, _default_row_batch
+from sparseswaps_prune.core.refine import MaskRows, RefitRows, RowPlanner, _default_row_batch
 from sparseswaps_prune.core.refit import REFIT_DAMP, damping, refit_weights
+from sparseswaps_prune.core.spec import SwapRefine
 from sparseswaps_prune.core.warmstart import warmstart_mask
 
 CPU = torch.device("cpu")
 
 
 def iterate(model: MaskRows | RefitRows, iters: int) -> float:
-    """Seconds of ``iters`` iterations of ``model`` (best swap of every row, then the swaps that lower the loss)."""
-    rows = torch.arange(model.keep.shape[0])
+    """Seconds of up to ``iters`` iterations of ``model`` in the library's row-scope loop."""
     started = time.perf_counter()
-    for _ in range(iters):
-        fig = model.figures(rows, cross=False)
-        accept = fig.swap_dl < 0
-        model.apply((rows[accept], fig.swap_a[accept], fig.swap_b[accept]))
+    refine.iterate(model, RowPlanner(model.rounding.cpu()), max_iters=iters, resync_every=SwapRefine().resync_every)
     return time.perf_counter() - started
 
 
@@ -56,7 +56,7 @@ def measure(weight: torch.Tensor, gram: torch.Tensor, pattern: str, iters: int, 
     for r0 in range(0, keep.shape[0], batch):
         sub = slice(r0, r0 + batch)
         started = time.perf_counter()
-        model = RefitRows(w64[sub], keep[sub].clone(), gram64, lam=lam, m=nm and nm[1], row_batch=batch,
+        model = RefitRows(w64[sub], keep[sub].clone(), gram64, lam=lam, m=nm[1] if nm else None, row_batch=batch,
                           cross=False, engine="numba")  # fmt: skip
         out["build"] += time.perf_counter() - started
         out["refit"] += iterate(model, iters)
@@ -93,7 +93,7 @@ def main() -> None:
         figures = measure(weight, grams[name]["small"].gram, args.pattern, args.iters, args.damp)
         for key, value in figures.items():
             kinds[name.rsplit(".", 1)[-1]][key] += value
-    kinds["all layers"] = {key: sum(s[key] for s in list(kinds.values())) for key in ("build", "ls", "refit", "mask")}
+    kinds["all layers"] = {key: sum(s[key] for s in kinds.values()) for key in ("build", "ls", "refit", "mask")}
     print(f"{'layers':>12} {'build s':>9} {'ls re-fit s':>11} {'build/ls':>8} {'refit its s':>11} "
           f"{'mask its s':>10} {'refit/mask':>10}")  # fmt: skip
     for kind, s in kinds.items():
