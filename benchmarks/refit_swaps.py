@@ -4,7 +4,7 @@ For each width d_in at 60% per-row sparsity (Wanda warmstart on a random correla
 re-fit engine (the torch reference and, on the CPU, the compiled numba engine, on CUDA the fused Triton kernels;
 ``same``: the engine applied the reference's swaps in every timed iteration): the time to build the float64 re-fit
 state (Cholesky of G_SS + lambda I, H, v, r, s and Z = H G[S, P]: O(k^2 (d_in - k))) and of one re-fit iteration
-(the pair scan, then the updates of the applied swaps), against a least-squares re-fit of the same mask
+(the updates of the applied swaps, then the pair scan of the swapped rows), against a least-squares re-fit of the same mask
 (refit_weights) and one mask-only iteration (best_swaps on the default backend, then the float64 c update), plus
 the state's memory per row, and the floor of this design: the Cholesky factor ``L`` of ``G_SS + lambda I`` and the
 Schur complement ``s_p = G_pp + lambda - ||L^{-1} G[S, p]||^2`` of every pruned ``p`` (one triangular solve against
@@ -26,7 +26,7 @@ import torch
 
 from sparseswaps_prune.core.backends import best_swaps, resolve_backend, triton_available
 from sparseswaps_prune.core.losses import correlation
-from sparseswaps_prune.core.refine import RefitRows
+from sparseswaps_prune.core.refine import Figures, RefitRows
 from sparseswaps_prune.core.refit import damping, factor_kept, refit_weights
 from sparseswaps_prune.core.refit_swaps import build_state, pruned_slots
 from sparseswaps_prune.core.warmstart import warmstart_mask
@@ -78,9 +78,10 @@ def measure(
 ) -> tuple[int, float, dict[str, tuple[float, float, bool]], float, float, float, tuple[float, float]]:
     """``(k, state MiB per row, {engine: (build s/row, iteration s/row, same masks as the torch engine)},
     least-squares re-fit s/row, mask-only iteration s/row, floor s/row, (torch build s/row with H by
-    cholesky_inverse, by the triangular inverse))`` for one width. An iteration is the pair scan of every row plus
-    the updates of the applied swaps, averaged over ``iters`` iterations after one warm-up iteration (the compiled
-    engine folds its pending terms every few moves)."""
+    cholesky_inverse, by the triangular inverse))`` for one width. An iteration is the updates of the applied swaps
+    plus the pair scan of the swapped rows (the Triton engine's in the updates' pass over ``Z``; a row whose best swap
+    does not lower ``F`` keeps its figures, as in ``refine.iterate``), averaged over ``iters`` iterations after one
+    warm-up iteration (the compiled engine folds its pending terms every few moves)."""
     weight, gram, keep = problem(d_in, n_rows, device)
     k = int(keep.sum(1).max())
     q = d_in - k
@@ -101,10 +102,13 @@ def measure(
         build_s = timed(build, repeat=BUILD_REPEAT)
         model = build()
 
-        def iteration(model: RefitRows = model) -> None:
-            fig = model.figures(rows, cross=False)
+        figs = model.figures(rows, cross=False)
+
+        def iteration(model: RefitRows = model, fig: Figures = figs) -> None:
             accept = fig.swap_dl < 0
-            model.apply((rows[accept], fig.swap_a[accept], fig.swap_b[accept]))
+            moved = rows[accept]
+            scanned = model.apply((moved, fig.swap_a[accept], fig.swap_b[accept]), rescan=True)
+            fig.update(moved.cpu(), model.figures(moved, cross=False) if scanned is None else scanned)
 
         iteration()  # warm-up (compilation), not timed
         _sync()

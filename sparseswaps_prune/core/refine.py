@@ -215,8 +215,9 @@ class MaskRows:
             out += [*remove.min(dim=1), *add.min(dim=1)]  # first index on ties: the smallest u, p
         return Figures(*(t.cpu() for t in out))
 
-    def apply(self, swaps: Moves, cross: Moves | None = None) -> None:
-        """Apply ``swaps = (rows, u, p)`` and ``cross = (donor rows, u, receiver rows, p)``, in place."""
+    def apply(self, swaps: Moves, cross: Moves | None = None, *, rescan: bool = False) -> None:
+        """Apply ``swaps = (rows, u, p)`` and ``cross = (donor rows, u, receiver rows, p)``, in place. ``rescan`` (the
+        swapped rows are scanned next) does not change anything here: this model's search is separate."""
         rows, u, p = swaps
         self.keep[rows, u] = False
         self.keep[rows, p] = True
@@ -290,11 +291,11 @@ class RefitRows:
             )
         self.w64, self.keep, self.gram64, self.lam, self.m = w64, keep, gram64, lam, m
         self.row_batch, self.numba = row_batch, engine == "numba"
-        self.scan, self.outer = rs.scan_swaps, rs.add_outer
+        self.scan, self.outer, self.fused = rs.scan_swaps, rs.add_outer, None
         if engine == "triton":
             from sparseswaps_prune.core.backends import refit_triton
 
-            self.scan, self.outer = refit_triton.scan_swaps, refit_triton.add_outer
+            self.scan, self.outer, self.fused = refit_triton.scan_swaps, refit_triton.add_outer, refit_triton
         self.row_index = (torch.arange(rows) if row_index is None else row_index.cpu()).to(w64.device)
         self.pivot_floor = rs.pivot_floor(gram64, lam)
         self.rounding = rs.ACCEPT_RTOL * ((w64 @ gram64) * w64).sum(dim=1)
@@ -350,20 +351,30 @@ class RefitRows:
             else:
                 self.state = rs.grow(self.state, self.k_slots, self.q_slots)
 
-    def apply(self, swaps: Moves, cross: Moves | None = None) -> None:
+    def apply(self, swaps: Moves, cross: Moves | None = None, *, rescan: bool = False) -> Figures | None:
         """Apply ``swaps = (rows, kept slot, pruned slot)`` and ``cross = (donor rows, kept slot, receiver rows,
-        pruned slot)``, in place."""
+        pruned slot)``, in place.
+
+        Returns:
+            With ``rescan`` and no ``cross`` on the Triton engine, the swapped rows' figures (``figures(rows,
+            cross=False)``, scanned in the update's pass over ``Z``); otherwise None.
+        """
         if cross is not None:
             self._reserve(cross[0], cross[2])
         rows, slot_i, slot_j = swaps
+        scan = None
         if self.numba:
             u, p = self.state.swap(rows, slot_i, slot_j)
+        elif self.fused and cross is None:
+            (u, p), scan = self.fused.swap_and_scan(
+                self.state, self.w64, rows, slot_i, slot_j, self.gram64, self.pivot_floor, self.m, rescan=rescan
+            )
         else:
             u, p = rs.swap_slots(self.state, rows, slot_i, slot_j, self.gram64, self.outer)
         self.keep[rows, u] = False
         self.keep[rows, p] = True
         if cross is None:
-            return
+            return None if scan is None else Figures(*(t.cpu() for t in scan))
         rows, slot_i, receivers, slot_j = cross
         vacant = (~self.state.pruned_ok[rows]).to(torch.int8).argmax(dim=1)
         if self.numba:
@@ -380,6 +391,7 @@ class RefitRows:
         else:
             rs.add_pruned(self.state, receivers, slot_j, vacant, self.gram64, outer=self.outer)
         self.keep[receivers, p] = True
+        return None
 
     def fitted(self) -> torch.Tensor:
         """``[N, d]`` float64 re-fitted weights of the current masks (zero off the mask)."""
@@ -478,19 +490,26 @@ def iterate(
             donors, receivers = torch.from_numpy(plan.donor_rows), torch.from_numpy(plan.receiver_rows)
             cross = tuple(t.to(device) for t in (donors, figures.remove_a[donors], receivers, figures.add_b[receivers]))
             changed = torch.cat([swaps, donors, receivers])
-        model.apply(tuple(t.to(device) for t in (swaps, figures.swap_a[swaps], figures.swap_b[swaps])), cross)
+        rebuild = planner.rebuild_after(it, resync_every, max_iters)
+        # without cross-row moves or a rebuild, the next search is of exactly the swapped rows: an engine may scan
+        # them while it updates their state
+        rescan = cross is None and not planner.cross and not rebuild and it < max_iters
+        moves = tuple(t.to(device) for t in (swaps, figures.swap_a[swaps], figures.swap_b[swaps]))
+        scanned = model.apply(moves, cross, rescan=rescan)
         n_moves[changed] += 1
         dirty[changed] = True
         if planner.retires:
             live[:] = False
             live[changed] = True
         refresh = changed
-        if planner.rebuild_after(it, resync_every, max_iters):
+        if rebuild:
             refresh = torch.nonzero(dirty & live).flatten()
             model.resync(refresh.to(device))
             dirty[refresh] = False
         if it < max_iters:
-            figures.update(refresh, model.figures(refresh.to(device), planner.cross))
+            if scanned is None:
+                scanned = model.figures(refresh.to(device), planner.cross)
+            figures.update(refresh, scanned)
     return n_moves, iters
 
 

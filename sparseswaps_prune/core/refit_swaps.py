@@ -344,6 +344,7 @@ def add_pruned(
     gram64: torch.Tensor,
     incoming: Incoming | None = None,
     outer: OuterAdd = add_outer,
+    column: torch.Tensor | None = None,
 ) -> None:
     """Restore the input in pruned slot ``slot`` of each row into vacant kept slot ``dest``, in place.
 
@@ -352,10 +353,11 @@ def add_pruned(
     vector ``t_q = G_pq - G[p, S] Z[:, q]`` is read off the shared Gram, ``G[p, S] Z[:, q] = y^T G[S, q]`` with
     ``y = Z[:, p]`` (``H`` is symmetric): one ``[n, d] x [d, d]`` matrix product instead of a pass over the rows'
     ``Z``. With ``incoming`` (a swap) the input pruned by :func:`remove_kept` takes over the pruned slot; otherwise
-    the slot is vacated.
+    the slot is vacated. ``column``: ``[n, K]`` ``Z[:, p]`` as the state will hold it once ``outer``'s pending
+    updates land (an engine that defers them), taken over and modified; default: read from the state.
     """
     ar = torch.arange(rows.numel(), device=rows.device)
-    y = state.z[rows, :, slot]  # [n, K] Z[:, p] (zero at the vacant dest)
+    y = state.z[rows, :, slot] if column is None else column  # [n, K] Z[:, p] (zero at the vacant dest)
     pivot = state.schur[rows, slot]
     ratio = state.resid[rows, slot] / pivot  # the restored weight's re-fitted value
     p = state.pruned[rows, slot]

@@ -83,8 +83,16 @@ def test_updates_match_the_reference():
 
 
 @pytest.mark.parametrize("scope,nm", [("row", None), ("row", (2, 4)), ("layer", None)])
-def test_engine_chooses_the_torch_engines_swaps(scope, nm):
+def test_engine_chooses_the_torch_engines_swaps(scope, nm, monkeypatch):
     weight, gram, keep = _layer(6, 32, seed=7, nm=nm)
+    rescans = []
+    fused = refit_triton.swap_and_scan
+
+    def spy(*args, rescan, **kwargs):
+        rescans.append(rescan)
+        return fused(*args, rescan=rescan, **kwargs)
+
+    monkeypatch.setattr(refit_triton, "swap_and_scan", spy)
     runs = {
         engine: refine_mask(
             weight, gram, keep, max_iters=40, nm=nm, objective="refit", damp=0.01, scope=scope, backend=engine
@@ -95,6 +103,8 @@ def test_engine_chooses_the_torch_engines_swaps(scope, nm):
     assert runs["torch"].n_swaps.tolist() == runs["triton"].n_swaps.tolist()
     assert int(runs["triton"].n_swaps.sum()) > 0
     torch.testing.assert_close(runs["torch"].weight, runs["triton"].weight, rtol=1e-9, atol=1e-12)
+    # the row scope's swaps and next scans share a pass over Z; the layer scope's cross-row moves do not
+    assert (True in rescans) == (scope == "row")
 
 
 def test_resolve_refit_backend(monkeypatch):
@@ -125,3 +135,28 @@ def test_cuda_engine_at_a_larger_width():
         for b in ("torch", "triton")
     ]
     assert torch.equal(runs[0].mask, runs[1].mask) and int(runs[1].n_swaps.sum()) > 0
+
+
+@pytest.mark.parametrize(("nm", "rescan"), [(None, True), ((2, 4), True), (None, False)])
+def test_swap_and_scan_is_bit_identical_to_the_reference(nm, rescan):
+    weight, gram, keep = _layer(7, 300, seed=4, nm=nm)
+    state, lam = _state(weight, gram, keep)
+    floor = rs.pivot_floor(gram, lam)
+    m = nm[1] if nm else None
+    want = rs.RefitState(*(t.clone() for t in vars(state).values()))
+    for step in range(3):  # consecutive swaps of a subset of the rows, out of order
+        rows = torch.tensor([6, 0, 3, 1][step:], device=DEVICE)
+        _, slot_i, slot_j = rs.scan_swaps(want, weight, rows, floor, m)
+        ref_up = rs.swap_slots(want, rows, slot_i, slot_j, gram)
+        got_up, scan = refit_triton.swap_and_scan(
+            state, weight, rows, slot_i, slot_j, gram, floor, m, rescan=rescan, q_splits=2
+        )
+        for g, r in zip(got_up, ref_up, strict=True):
+            assert torch.equal(g, r)
+        for name, value in vars(want).items():
+            assert torch.equal(getattr(state, name), value), name
+        if rescan:
+            for g, r in zip(scan, rs.scan_swaps(want, weight, rows, floor, m), strict=True):
+                assert torch.equal(g, r)
+        else:
+            assert scan is None

@@ -12,10 +12,13 @@ and ``H`` materialises its outer product before adding it. Here
   (``enable_fp_fusion=False``), so the costs are bit-identical to :func:`refit_swaps.scan_swaps`; it keeps the
   minimum and, on ties, the smallest input-index key ``u * d + p``, the reference's tie rule;
 * :func:`add_outer` adds ``a b^T`` to the rows' ``Z`` or ``H`` in one read and write (``t + a * b``, again without
-  fused multiply-add, so bit-identical to the reference's ``index_add_`` of the materialised product).
+  fused multiply-add, so bit-identical to the reference's ``index_add_`` of the materialised product);
+* :func:`swap_and_scan` applies a swap (the removal's and the restore's rank-one updates) with one read and write of
+  ``H`` and one of ``Z``, and scans the swapped rows in that same pass over ``Z``: an iteration of the row scope
+  reads ``Z`` once (the state bit-identical to the reference's :func:`refit_swaps.swap_slots`).
 
-The state build and a restore's vector ``G[p, S] Z`` (a product with the shared Gram) stay in torch. Swap
-application: :func:`refit_swaps.swap_slots` etc. with ``outer=add_outer``; the engines choose the same swaps.
+The state build and a restore's vector ``G[p, S] Z`` (a product with the shared Gram) stay in torch. Cross-row moves
+(layer scope): :func:`refit_swaps.remove_kept` etc. with ``outer=add_outer``; the engines choose the same swaps.
 """
 
 from __future__ import annotations
@@ -25,7 +28,14 @@ import triton
 import triton.language as tl
 
 from sparseswaps_prune.core.backends.triton_search import tile_splits
-from sparseswaps_prune.core.refit_swaps import RefitState, no_swaps, removal_terms, restorable
+from sparseswaps_prune.core.refit_swaps import (
+    RefitState,
+    add_pruned,
+    no_swaps,
+    removal_terms,
+    remove_kept,
+    restorable,
+)
 
 # (BLOCK_K, BLOCK_Q, num_warps) of the scan and (BLOCK_A, BLOCK_B, num_warps) of the rank-one update: the fastest of
 # 9 and 5 shapes tried on an H200 at d_in 4096 (64 rows) and 14336 (8 rows), 2026-11-26 (scan: 0.8-1 TB/s of Z, well
@@ -51,6 +61,12 @@ def _scan_kernel(
     floor_ptr,
     out_val_ptr,
     out_key_ptr,
+    first_a_ptr,
+    first_b_ptr,
+    second_a_ptr,
+    second_b_ptr,
+    skip_k_ptr,
+    skip_q_ptr,
     K,
     Q,
     d,
@@ -59,9 +75,12 @@ def _scan_kernel(
     M: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_Q: tl.constexpr,
+    UPDATE: tl.constexpr,
 ):
     """Row ``i`` of the scan, pruned slots of split ``split``: the smallest cost and its smallest key (``M``: the
-    N:M block size, 0 for none)."""
+    N:M block size, 0 for none). With ``UPDATE`` the program first applies a swap's two rank-one updates to its
+    part of ``Z`` (:func:`_pair_update`'s rule, ``skip_k`` / ``skip_q`` the swap's kept row and pruned column) and
+    scans the updated entries: ``Z`` is read and written once."""
     i = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     row = tl.load(rows_ptr + i)
@@ -72,6 +91,9 @@ def _scan_kernel(
     best_key = tl.full([], no_key, tl.int64)
     q_begin = split * tiles_per_split * BLOCK_Q
     q_end = tl.minimum(Q, q_begin + tiles_per_split * BLOCK_Q)
+    if UPDATE:
+        skip_k = tl.load(skip_k_ptr + i)
+        skip_q = tl.load(skip_q_ptr + i)
     for q0 in range(q_begin, q_end, BLOCK_Q):
         q_idx = q0 + tl.arange(0, BLOCK_Q)
         q_in = q_idx < q_end
@@ -80,6 +102,9 @@ def _scan_kernel(
         pruned = tl.load(pruned_ptr + i * Q + q_idx, mask=q_in, other=0)
         floor = tl.load(floor_ptr + i * Q + q_idx, mask=q_in, other=0.0)
         q_ok = q_in & (tl.load(pruned_ok_ptr + i * Q + q_idx, mask=q_in, other=0) != 0)
+        if UPDATE:
+            first_b = tl.load(first_b_ptr + i * Q + q_idx, mask=q_in, other=0.0)
+            second_b = tl.load(second_b_ptr + i * Q + q_idx, mask=q_in, other=0.0)
         for k0 in range(0, K, BLOCK_K):
             k_idx = k0 + tl.arange(0, BLOCK_K)
             k_in = k_idx < K
@@ -89,7 +114,18 @@ def _scan_kernel(
             kept = tl.load(kept_ptr + i * K + k_idx, mask=k_in, other=0)
             k_ok = k_in & (tl.load(kept_ok_ptr + i * K + k_idx, mask=k_in, other=0) != 0)
             ok = k_ok[:, None] & q_ok[None, :]
-            z = tl.load(z_row + k_idx[:, None].to(tl.int64) * Q + q_idx[None, :], mask=ok, other=0.0)
+            z_ptrs = z_row + k_idx[:, None].to(tl.int64) * Q + q_idx[None, :]
+            if UPDATE:
+                tile = k_in[:, None] & q_in[None, :]
+                first_a = tl.load(first_a_ptr + i * K + k_idx, mask=k_in, other=0.0)
+                second_a = tl.load(second_a_ptr + i * K + k_idx, mask=k_in, other=0.0)
+                z = tl.load(z_ptrs, mask=tile, other=0.0)
+                first = (k_idx != skip_k)[:, None] & (q_idx != skip_q)[None, :]
+                z = tl.where(first, z + first_a[:, None] * first_b[None, :], z)
+                z = z + second_a[:, None] * second_b[None, :]
+                tl.store(z_ptrs, z, mask=tile)
+            else:
+                z = tl.load(z_ptrs, mask=ok, other=0.0)
             # the reference's operations in its order (no fma: enable_fp_fusion=False at launch)
             pivot = z * z / h[:, None] + schur[None, :]
             t = z * ratio[:, None] + resid[None, :]
@@ -109,17 +145,31 @@ def _scan_kernel(
 
 
 @triton.jit
-def _outer_kernel(t_ptr, rows_ptr, a_ptr, b_ptr, A, B, BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr):
-    """``t[rows[i], a-tile, b-tile] += a[i, :, None] * b[i, None, :]``."""
+def _pair_update(
+    t_ptr, rows_ptr, first_a_ptr, first_b_ptr, second_a_ptr, second_b_ptr, skip_a_ptr, skip_b_ptr, A, B,
+    BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, PAIR: tl.constexpr,
+):  # fmt: skip
+    """``t[rows[i]] += first_a[i] first_b[i]^T`` on one tile; with ``PAIR``, instead
+    ``t = (t + first_a first_b^T, except on row skip_a[i] and column skip_b[i]) + second_a second_b^T``: a swap's
+    removal and restore updates in one read and write (its row and column there were written before)."""
     i = tl.program_id(0).to(tl.int64)
     a_idx = tl.program_id(1) * BLOCK_A + tl.arange(0, BLOCK_A)
     b_idx = tl.program_id(2) * BLOCK_B + tl.arange(0, BLOCK_B)
     a_in, b_in = a_idx < A, b_idx < B
-    a = tl.load(a_ptr + i * A + a_idx, mask=a_in, other=0.0)
-    b = tl.load(b_ptr + i * B + b_idx, mask=b_in, other=0.0)
+    a = tl.load(first_a_ptr + i * A + a_idx, mask=a_in, other=0.0)
+    b = tl.load(first_b_ptr + i * B + b_idx, mask=b_in, other=0.0)
     ptrs = t_ptr + tl.load(rows_ptr + i) * A * B + a_idx[:, None].to(tl.int64) * B + b_idx[None, :]
     ok = a_in[:, None] & b_in[None, :]
-    tl.store(ptrs, tl.load(ptrs, mask=ok, other=0.0) + a[:, None] * b[None, :], mask=ok)
+    t = tl.load(ptrs, mask=ok, other=0.0)
+    if PAIR:
+        first = (a_idx != tl.load(skip_a_ptr + i))[:, None] & (b_idx != tl.load(skip_b_ptr + i))[None, :]
+        t = tl.where(first, t + a[:, None] * b[None, :], t)
+        second_a = tl.load(second_a_ptr + i * A + a_idx, mask=a_in, other=0.0)
+        second_b = tl.load(second_b_ptr + i * B + b_idx, mask=b_in, other=0.0)
+        t = t + second_a[:, None] * second_b[None, :]
+    else:
+        t = t + a[:, None] * b[None, :]
+    tl.store(ptrs, t, mask=ok)
 
 
 def _check_contiguous(t: torch.Tensor, name: str) -> None:
@@ -149,6 +199,21 @@ def scan_swaps(
         ``dF`` ``[n]`` float64 (``+inf`` where no feasible pair), kept slot ``i`` and pruned slot ``j`` ``[n]``
         int64 (0 and 0 where no pair). Extra memory: ``[n, K]`` and ``[n, Q]`` terms only.
     """
+    return _scan(state, w64, rows, pivot_floor, m, q_splits)
+
+
+def _scan(
+    state: RefitState,
+    w64: torch.Tensor,
+    rows: torch.Tensor,
+    pivot_floor: torch.Tensor,
+    m: int | None,
+    q_splits: int | None,
+    update: tuple[torch.Tensor, ...] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`scan_swaps`; with ``update = (first_a, first_b, second_a, second_b, skip_k, skip_q)`` (``[n, K]``,
+    ``[n, Q]``, ``[n, K]``, ``[n, Q]`` float64, ``[n]``, ``[n]`` int64) the rows' ``Z`` is first updated in place
+    by :func:`_pair_update`'s rule, in the same pass (the scan's terms must already be those after the update)."""
     n = rows.numel()
     _, k_slots, q_slots = state.z.shape
     d = w64.shape[1]
@@ -164,6 +229,8 @@ def scan_swaps(
     n_split, tiles_per_split = tile_splits(n, n_tiles, dev, q_splits)
     part_val = torch.empty(n, n_split, dtype=torch.float64, device=dev)
     part_key = torch.empty(n, n_split, dtype=torch.long, device=dev)
+    # without an update its pointers are never read: any tensors of the right types stand in
+    terms = [t.contiguous() for t in update] if update is not None else [ratio] * 4 + [rows] * 2
     _scan_kernel[(n, n_split)](
         state.z,
         rows.contiguous(),
@@ -179,6 +246,7 @@ def scan_swaps(
         pivot_floor[pruned].contiguous(),
         part_val,
         part_key,
+        *terms,
         k_slots,
         q_slots,
         d,
@@ -187,6 +255,7 @@ def scan_swaps(
         M=m or 0,
         BLOCK_K=block_k,
         BLOCK_Q=block_q,
+        UPDATE=update is not None,
         num_warps=num_warps,
         enable_fp_fusion=False,
     )
@@ -199,19 +268,76 @@ def scan_swaps(
     return best, slot_i, slot_j
 
 
-def add_outer(target: torch.Tensor, rows: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """``target[rows[n]] += a[n, :, None] * b[n, None, :]`` in place, one read and write of the rows' entries.
-
-    ``target``: contiguous ``[R, A, B]`` float64; ``rows``: ``[n]`` int64, distinct; ``a`` ``[n, A]``, ``b``
-    ``[n, B]`` float64. Bit-identical to adding the materialised product.
-    """
+def _launch_update(target: torch.Tensor, rows: torch.Tensor, first: tuple, second: tuple | None = None) -> None:
+    """:func:`_pair_update` over the rows' ``[A, B]`` entries of ``target``: ``first = (a, b)``; ``second = (a, b,
+    skip_a, skip_b)`` for a swap's pair of updates."""
     n, (_, size_a, size_b) = rows.numel(), target.shape
     _check_contiguous(target, "add_outer")
     if n == 0 or size_a == 0 or size_b == 0:
         return
     block_a, block_b, num_warps = OUTER_TILE
     grid = (n, triton.cdiv(size_a, block_a), triton.cdiv(size_b, block_b))
-    _outer_kernel[grid](
-        target, rows.contiguous(), a.contiguous(), b.contiguous(), size_a, size_b,
-        BLOCK_A=block_a, BLOCK_B=block_b, num_warps=num_warps, enable_fp_fusion=False,
+    rest = [t.contiguous() for t in second] if second is not None else [first[0], first[1], rows, rows]
+    _pair_update[grid](
+        target, rows.contiguous(), first[0].contiguous(), first[1].contiguous(), *rest, size_a, size_b,
+        BLOCK_A=block_a, BLOCK_B=block_b, PAIR=second is not None, num_warps=num_warps, enable_fp_fusion=False,
     )  # fmt: skip
+
+
+def add_outer(target: torch.Tensor, rows: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``target[rows[n]] += a[n, :, None] * b[n, None, :]`` in place, one read and write of the rows' entries.
+
+    ``target``: contiguous ``[R, A, B]`` float64; ``rows``: ``[n]`` int64, distinct; ``a`` ``[n, A]``, ``b``
+    ``[n, B]`` float64. Bit-identical to adding the materialised product.
+    """
+    _launch_update(target, rows, (a, b))
+
+
+def swap_and_scan(
+    state: RefitState,
+    w64: torch.Tensor,
+    rows: torch.Tensor,
+    slot_i: torch.Tensor,
+    slot_j: torch.Tensor,
+    gram64: torch.Tensor,
+    pivot_floor: torch.Tensor,
+    m: int | None = None,
+    *,
+    rescan: bool = True,
+    q_splits: int | None = None,
+) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None]:
+    """:func:`refit_swaps.swap_slots` (the same state, bit for bit) with each of ``H`` and ``Z`` read and written
+    once, and with ``rescan`` the scan of the swapped rows (:func:`scan_swaps`) in the same pass over ``Z``.
+
+    The swap's vector updates run as the reference's (:func:`refit_swaps.remove_kept`, :func:`refit_swaps.add_pruned`)
+    with their four rank-one updates deferred; then one pass applies the removal's and the restore's update of ``H``
+    and one pass those of ``Z`` (and scans). ``rows``: ``[n]`` int64 distinct rows; ``slot_i``, ``slot_j``: ``[n]``
+    kept and pruned slots; the other arguments as :func:`scan_swaps`. ``state`` is modified in place.
+
+    Returns:
+        ``(u, p)`` ``[n]`` the pruned and the restored inputs, and with ``rescan`` the scan of ``rows`` after the
+        swap (else None).
+    """
+    _check_contiguous(state.inv, "swap_and_scan")
+    _check_contiguous(state.z, "swap_and_scan")
+    ar = torch.arange(rows.numel(), device=rows.device)
+    deferred: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {id(state.inv): [], id(state.z): []}
+
+    def defer(target: torch.Tensor, _rows: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+        deferred[id(target)].append((a.clone(), b.clone()))
+
+    column = state.z[rows, :, slot_j]  # Z[:, p] before the removal
+    p = state.pruned[rows, slot_j]
+    incoming = remove_kept(state, rows, slot_i, defer)
+    removal_a, removal_b = deferred[id(state.z)][0]
+    column = column + removal_a * removal_b[ar, slot_j][:, None]  # the removal's update of Z[:, p], as it rounds
+    column[ar, slot_i] = 0.0  # the removed row of Z
+    add_pruned(state, rows, slot_j, slot_i, gram64, incoming, defer, column=column)
+    (h_a, h_b), (h_a2, h_b2) = deferred[id(state.inv)]
+    _launch_update(state.inv, rows, (h_a, h_b), (h_a2, h_b2, slot_i, slot_i))
+    (z_a, z_b), (z_a2, z_b2) = deferred[id(state.z)]
+    if not rescan:
+        _launch_update(state.z, rows, (z_a, z_b), (z_a2, z_b2, slot_i, slot_j))
+        return (incoming[0], p), None
+    scan = _scan(state, w64, rows, pivot_floor, m, q_splits, (z_a, z_b, z_a2, z_b2, slot_i, slot_j))
+    return (incoming[0], p), scan
