@@ -4,14 +4,14 @@ For each width d_in at 60% per-row sparsity (Wanda warmstart on a random correla
 re-fit engine (the torch reference and, on the CPU, the compiled numba engine, on CUDA the fused Triton kernels;
 ``same``: the engine applied the reference's swaps in every timed iteration): the time to build the float64 re-fit
 state (Cholesky of G_SS + lambda I, H, v, r, s and Z = H G[S, P]: O(k^2 (d_in - k))) and of one re-fit iteration
-(the updates of the applied swaps, then the pair scan of the swapped rows), against a least-squares re-fit of the same mask
-(refit_weights) and one mask-only iteration (best_swaps on the default backend, then the float64 c update), plus
-the state's memory per row, and the floor of this design: the Cholesky factor ``L`` of ``G_SS + lambda I`` and the
-Schur complement ``s_p = G_pp + lambda - ||L^{-1} G[S, p]||^2`` of every pruned ``p`` (one triangular solve against
-all of ``G[S, P]``, ``k^2 (d_in - k)`` flops), which the pair scan's bound ``dF >= -r_p^2 / s_p`` needs before it can
-skip any column; and the torch state build with ``H`` formed both ways
-(``build_state(triangular_inverse=...)``: ``torch.cholesky_inverse``, the CPU default, or the factor's
-triangular inverse and a product, the CUDA default). Figures go to BENCHMARKS.md only from a quiet machine.
+(the updates of the applied swaps, then the pair scan of the swapped rows), against a least-squares re-fit of the
+same mask (refit_weights) and one mask-only iteration (best_swaps on the default backend, then the float64 c
+update), plus the state's memory per row, and the floor of this design: the Cholesky factor ``L`` of ``G_SS + lambda
+I`` and the Schur complement ``s_p = G_pp + lambda - ||L^{-1} G[S, p]||^2`` of every pruned ``p`` (one triangular
+solve against all of ``G[S, P]``, ``k^2 (d_in - k)`` flops), which the pair scan's bound ``dF >= -r_p^2 / s_p``
+needs before it can skip any column; and the torch state build with ``H`` formed both ways
+(``build_state(triangular_inverse=...)``: ``torch.cholesky_inverse``, the CPU default, or the factor's triangular
+inverse and a product, the CUDA default). Figures go to BENCHMARKS.md only from a quiet machine.
 
     python benchmarks/refit_swaps.py [--device cpu] [--widths 576 1536 4096] [--rows 8] [--iters 8] [--threads N]
 """
@@ -107,7 +107,8 @@ def measure(
         def iteration(model: RefitRows = model, fig: Figures = figs) -> None:
             accept = fig.swap_dl < 0
             moved = rows[accept]
-            scanned = model.apply((moved, fig.swap_a[accept], fig.swap_b[accept]), rescan=True)
+            slots = (fig.swap_a[accept].to(moved.device), fig.swap_b[accept].to(moved.device))
+            scanned = model.apply((moved, *slots), rescan=True)
             fig.update(moved.cpu(), model.figures(moved, cross=False) if scanned is None else scanned)
 
         iteration()  # warm-up (compilation), not timed

@@ -320,6 +320,7 @@ def swap_and_scan(
     """
     _check_contiguous(state.inv, "swap_and_scan")
     _check_contiguous(state.z, "swap_and_scan")
+    rows, slot_i, slot_j = (t.to(state.z.device) for t in (rows, slot_i, slot_j))
     ar = torch.arange(rows.numel(), device=rows.device)
     deferred: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {id(state.inv): [], id(state.z): []}
 
