@@ -452,7 +452,8 @@ class NumbaRefitState:
             return torch.from_numpy(out_u), torch.from_numpy(out_p)
         self.fold(rows[self.rank[rows] + 2 > self.factor_slots])
         k_slots = self.slots[0]
-        y, spread = np.zeros((n, k_slots)), torch.zeros(n, self.gram64.shape[0], dtype=torch.float64)
+        restores = n if op != _REMOVE else 0  # a removal never reads its restore buffers
+        y, spread = np.zeros((restores, k_slots)), torch.zeros(restores, self.gram64.shape[0], dtype=torch.float64)
         pivot, ratio = np.ones(n), np.zeros(n)
         rows_np, ops = rows.contiguous().numpy(), np.full(n, op, np.int64)
         slot_a_np = slot_a.contiguous().numpy()
