@@ -2,8 +2,8 @@
 # The GPU figures of BENCHMARKS.md ("GPU"), in one go, on a CUDA machine with torch/triton/transformers installed
 # and this checkout on PYTHONPATH. Each step is bounded by `timeout` so that one slow step leaves the others' output.
 #   bash benchmarks/gpu_figures.sh [OUTDIR] [STAGE]      # STAGE: short (default: all), pipeline, refit (the re-fit
-#   objective's engines at 2 to 256 rows per batch), default (2 blocks of 8B with the default), or full (all 32
-#   blocks of 8B with the default)
+#   objective's engines at 2 to 256 rows per batch), tiles (the Triton pair scan's tile shapes), default (2 blocks
+#   of 8B with the default), or full (all 32 blocks of 8B with the default)
 set -u -o pipefail
 out=${1:-gpu_out}; stage=${2:-short}; mkdir -p "$out"
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1
@@ -25,6 +25,10 @@ if [ "$stage" = refit ]; then  # the re-fit objective's engines (torch, triton) 
     step 100 python3 benchmarks/refit_swaps.py --device cuda --widths 576 1536 4096 --rows $rows
   done
   step 200 python3 benchmarks/refit_swaps.py --device cuda --widths 14336 --rows 32
+fi
+if [ "$stage" = tiles ]; then  # the Triton pair scan's tile shapes and programs per SM: ~1 min on an H200
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+  step 150 python3 benchmarks/refit_scan_tiles.py
 fi
 if [ "$stage" = short ] || [ "$stage" = pipeline ]; then
   step 300 python3 benchmarks/llm_pipeline.py --model llama-3.1-8b --blocks 2 --iters 0 1 5 25 100 --device cuda \

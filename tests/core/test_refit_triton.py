@@ -137,8 +137,12 @@ def test_cuda_engine_at_a_larger_width():
     assert torch.equal(runs[0].mask, runs[1].mask) and int(runs[1].n_swaps.sum()) > 0
 
 
-@pytest.mark.parametrize(("nm", "rescan"), [(None, True), ((2, 4), True), (None, False)])
-def test_swap_and_scan_is_bit_identical_to_the_reference(nm, rescan):
+@pytest.mark.parametrize(
+    ("nm", "rescan", "tile"), [(None, True, None), ((2, 4), True, None), (None, False, None), (None, True, (2, 32, 1))]
+)
+def test_swap_and_scan_is_bit_identical_to_the_reference(nm, rescan, tile, monkeypatch):
+    if tile is not None:  # several pruned-slot tiles per program: the running minimum across tiles
+        monkeypatch.setattr(refit_triton, "SWAP_SCAN_TILE", tile)
     weight, gram, keep = _layer(7, 300, seed=4, nm=nm)
     state, lam = _state(weight, gram, keep)
     floor = rs.pivot_floor(gram, lam)

@@ -37,11 +37,17 @@ from sparseswaps_prune.core.refit_swaps import (
     restorable,
 )
 
-# (BLOCK_K, BLOCK_Q, num_warps) of the scan and (BLOCK_A, BLOCK_B, num_warps) of the rank-one update: the fastest of
-# 9 and 5 shapes tried on an H200 at d_in 4096 (64 rows) and 14336 (8 rows), 2026-11-26 (scan: 0.8-1 TB/s of Z, well
-# below the memory's bandwidth, likely its two float64 divisions per pair; update: about 5 TB/s, the bandwidth).
-SCAN_TILE = (4, 256, 4)
+# (BLOCK_K, BLOCK_Q, num_warps) of the scan, of the scan fused with a swap's update of Z (swap_and_scan), and
+# (BLOCK_A, BLOCK_B, num_warps) of the rank-one update, on an H200 (BENCHMARKS.md, "Tile shapes of the pair scan";
+# `benchmarks/refit_scan_tiles.py`): the scan alone is fastest with small tiles (16 x 32: 1.3 TB/s of Z against
+# 0.8 TB/s at 4 x 256); for the fused pass, timed in whole iterations, 16 x 32 was no faster than 4 x 256 (faster
+# at 16 rows, slower at 256 and at 14336 inputs), so 4 x 256 stays; the update runs at about 5 TB/s, the bandwidth.
+SCAN_TILE = (16, 32, 4)
+SWAP_SCAN_TILE = (4, 256, 4)
 OUTER_TILE = (8, 512, 8)
+# Scan programs aimed for per streaming multiprocessor (a row's pruned slots are split to reach it; 4 to 32 made no
+# consistent difference in the sweep).
+SCAN_PROGRAMS_PER_SM = 4
 _NO_KEY = torch.iinfo(torch.long).max
 
 
@@ -87,8 +93,9 @@ def _scan_kernel(
     z_row = z_ptr + row * K * Q
     inf = float("inf")
     no_key = 9223372036854775807
-    best = tl.full([], inf, tl.float64)
-    best_key = tl.full([], no_key, tl.int64)
+    # running (cost, key) minimum per tile position, reduced once at the end (no reduction per tile)
+    acc = tl.full([BLOCK_K, BLOCK_Q], inf, tl.float64)
+    acc_key = tl.full([BLOCK_K, BLOCK_Q], no_key, tl.int64)
     q_begin = split * tiles_per_split * BLOCK_Q
     q_end = tl.minimum(Q, q_begin + tiles_per_split * BLOCK_Q)
     if UPDATE:
@@ -135,11 +142,11 @@ def _scan_kernel(
                 ok = ok & ((kept // M)[:, None] == (pruned // M)[None, :])
             cost = tl.where(ok, cost, inf)
             key = kept[:, None] * d + pruned[None, :]
-            tile_best = tl.min(tl.min(cost, axis=1), axis=0)
-            tile_key = tl.min(tl.min(tl.where(cost == tile_best, key, no_key), axis=1), axis=0)
-            better = (tile_best < best) | ((tile_best == best) & (tile_key < best_key))
-            best = tl.where(better, tile_best, best)
-            best_key = tl.where(better, tile_key, best_key)
+            better = (cost < acc) | ((cost == acc) & (key < acc_key))
+            acc = tl.where(better, cost, acc)
+            acc_key = tl.where(better, key, acc_key)
+    best = tl.min(tl.min(acc, axis=1), axis=0)
+    best_key = tl.min(tl.min(tl.where(acc == best, acc_key, no_key), axis=1), axis=0)
     tl.store(out_val_ptr + i * n_split + split, best)
     tl.store(out_key_ptr + i * n_split + split, best_key)
 
@@ -224,8 +231,10 @@ def _scan(
     kept, kept_ok, pruned = state.kept[rows], state.kept_ok[rows], state.pruned[rows]
     h_safe, ratio, remove = removal_terms(state, rows)  # as the reference
     pruned_ok = restorable(state, w64, rows)
-    block_k, block_q, num_warps = SCAN_TILE
+    block_k, block_q, num_warps = SCAN_TILE if update is None else SWAP_SCAN_TILE
     n_tiles = triton.cdiv(q_slots, block_q)
+    if q_splits is None and dev.type == "cuda":
+        q_splits = -(-SCAN_PROGRAMS_PER_SM * torch.cuda.get_device_properties(dev).multi_processor_count // n)
     n_split, tiles_per_split = tile_splits(n, n_tiles, dev, q_splits)
     part_val = torch.empty(n, n_split, dtype=torch.float64, device=dev)
     part_key = torch.empty(n, n_split, dtype=torch.long, device=dev)

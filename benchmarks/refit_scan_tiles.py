@@ -1,0 +1,76 @@
+"""Launch shapes of the Triton re-fit pair scan: seconds per row and the rate at which the scan reads ``Z``, for each
+tile ``(BLOCK_K, BLOCK_Q, num_warps)`` (``refit_triton.SCAN_TILE``) and each count of programs aimed for per
+streaming multiprocessor (``refit_triton.SCAN_PROGRAMS_PER_SM``) given, on the layer of ``benchmarks/refit_swaps.py``
+(random correlated Gram, 60% Wanda mask). Every shape's scan is checked against the torch reference
+(``refit_swaps.scan_swaps``): ``same`` says its costs and slots are bit-identical. CUDA (``--device cpu`` only under
+``TRITON_INTERPRET=1``, to check the script at small widths).
+
+    python benchmarks/refit_scan_tiles.py [--widths 4096 14336] [--rows 64 8] [--tiles 4x256x4 ...] [--per-sm 4 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from refit_swaps import problem, timed
+
+from sparseswaps_prune.core import refit_swaps as rs
+from sparseswaps_prune.core.backends import refit_triton
+from sparseswaps_prune.core.refit import damping
+
+DEFAULT_TILES = ["4x256x4", "2x512x4", "4x128x4", "8x64x4", "16x64x4", "32x64x8", "16x32x4", "8x128x8"]
+
+
+def sweep(d_in: int, n_rows: int, device: str, tiles: list[str], per_sm: list[int], repeat: int) -> tuple[int, list]:
+    """``(bytes of Z, [(tile, programs per SM, scan seconds for all rows, same as the reference)])`` at one width."""
+    weight, gram, keep = problem(d_in, n_rows, device)
+    k, q = int(keep.sum(1).max()), d_in - int(keep.sum(1).min())
+    lam = damping(gram, 0.01)
+    state = rs.build_state(weight, keep, gram, lam, k, q)
+    floor = rs.pivot_floor(gram, lam)
+    rows = torch.arange(n_rows, device=device)
+    reference = rs.scan_swaps(state, weight, rows, floor)
+
+    def scan() -> tuple[torch.Tensor, ...]:
+        return refit_triton.scan_swaps(state, weight, rows, floor)
+
+    default, out = (refit_triton.SCAN_TILE, refit_triton.SCAN_PROGRAMS_PER_SM), []
+    try:
+        for tile in tiles:
+            for programs in per_sm:
+                refit_triton.SCAN_TILE = tuple(int(x) for x in tile.split("x"))
+                refit_triton.SCAN_PROGRAMS_PER_SM = programs
+                same = all(torch.equal(a, b) for a, b in zip(scan(), reference, strict=True))
+                out.append((tile, programs, timed(scan, repeat), same))
+    finally:
+        refit_triton.SCAN_TILE, refit_triton.SCAN_PROGRAMS_PER_SM = default
+    return state.z.numel() * 8, out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--widths", type=int, nargs="+", default=[4096, 14336])
+    parser.add_argument("--rows", type=int, nargs="+", default=[64, 8], help="rows per width (one per width)")
+    parser.add_argument("--tiles", nargs="+", default=DEFAULT_TILES, help="BLOCK_KxBLOCK_Qxnum_warps")
+    parser.add_argument("--per-sm", type=int, nargs="+", default=[4, 8, 16, 32], help="scan programs per SM")
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--device", default="cuda")
+    args = parser.parse_args()
+    if len(args.rows) != len(args.widths):
+        raise ValueError(f"--rows needs one count per width ({len(args.widths)}), got {len(args.rows)}")
+    name = torch.cuda.get_device_name() if args.device == "cuda" else args.device
+    print(
+        f"device: {name}, torch {torch.__version__}, defaults: tile {refit_triton.SCAN_TILE}, "
+        f"{refit_triton.SCAN_PROGRAMS_PER_SM} programs per SM"
+    )
+    print(f"{'d_in':>5} {'rows':>4} {'tile':>10} {'per SM':>6} {'scan s/row':>10} {'Z GB/s':>7} {'same':>4}")
+    for d_in, n_rows in zip(args.widths, args.rows, strict=True):
+        z_bytes, results = sweep(d_in, n_rows, args.device, args.tiles, args.per_sm, args.repeat)
+        for tile, programs, seconds, same in results:
+            flag, rate = "yes" if same else "NO", z_bytes / seconds / 1e9
+            print(f"{d_in:>5} {n_rows:>4} {tile:>10} {programs:>6} {seconds / n_rows:>10.3e} {rate:>7.0f} {flag:>4}")
+
+
+if __name__ == "__main__":
+    main()
