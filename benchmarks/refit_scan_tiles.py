@@ -11,6 +11,7 @@ streaming multiprocessor (``refit_triton.SCAN_PROGRAMS_PER_SM``) given, on the l
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import torch
 from refit_swaps import problem, timed
@@ -22,8 +23,24 @@ from sparseswaps_prune.core.refit import damping
 DEFAULT_TILES = ["4x256x4", "2x512x4", "4x128x4", "8x64x4", "16x64x4", "32x64x8", "16x32x4", "8x128x8"]
 
 
+def swap_iterations(state: rs.RefitState, weight, gram, rows, floor, iters: int) -> float:
+    """Mean seconds of an iteration of the row scope on a copy of ``state`` (``refit_triton.swap_and_scan`` of the
+    rows whose best swap lowers the loss, scanning them in the same pass), after one warm-up iteration."""
+    state = rs.RefitState(*(t.clone() for t in dataclasses.astuple(state)))
+    best, slot_i, slot_j = refit_triton.scan_swaps(state, weight, rows, floor)
+
+    def iteration() -> None:
+        accept = best < 0
+        moved = rows[accept]
+        _, (dl, i, j) = refit_triton.swap_and_scan(state, weight, moved, slot_i[accept], slot_j[accept], gram, floor)
+        best[accept], slot_i[accept], slot_j[accept] = dl, i, j
+
+    return timed(iteration, iters)
+
+
 def sweep(d_in: int, n_rows: int, device: str, tiles: list[str], per_sm: list[int], repeat: int) -> tuple[int, list]:
-    """``(bytes of Z, [(tile, programs per SM, scan seconds for all rows, same as the reference)])`` at one width."""
+    """``(bytes of Z, [(tile, programs per SM, scan seconds for all rows, same as the reference, swap-and-scan
+    iteration seconds for all rows)])`` at one width (the tile set for both the scan and the fused swap and scan)."""
     weight, gram, keep = problem(d_in, n_rows, device)
     k, q = int(keep.sum(1).max()), d_in - int(keep.sum(1).min())
     lam = damping(gram, 0.01)
@@ -35,16 +52,18 @@ def sweep(d_in: int, n_rows: int, device: str, tiles: list[str], per_sm: list[in
     def scan() -> tuple[torch.Tensor, ...]:
         return refit_triton.scan_swaps(state, weight, rows, floor)
 
-    default, out = (refit_triton.SCAN_TILE, refit_triton.SCAN_PROGRAMS_PER_SM), []
+    default = (refit_triton.SCAN_TILE, refit_triton.SWAP_SCAN_TILE, refit_triton.SCAN_PROGRAMS_PER_SM)
+    out = []
     try:
         for tile in tiles:
             for programs in per_sm:
-                refit_triton.SCAN_TILE = tuple(int(x) for x in tile.split("x"))
+                refit_triton.SCAN_TILE = refit_triton.SWAP_SCAN_TILE = tuple(int(x) for x in tile.split("x"))
                 refit_triton.SCAN_PROGRAMS_PER_SM = programs
                 same = all(torch.equal(a, b) for a, b in zip(scan(), reference, strict=True))
-                out.append((tile, programs, timed(scan, repeat), same))
+                swaps = swap_iterations(state, weight, gram, rows, floor, repeat)
+                out.append((tile, programs, timed(scan, repeat), same, swaps))
     finally:
-        refit_triton.SCAN_TILE, refit_triton.SCAN_PROGRAMS_PER_SM = default
+        refit_triton.SCAN_TILE, refit_triton.SWAP_SCAN_TILE, refit_triton.SCAN_PROGRAMS_PER_SM = default
     return state.z.numel() * 8, out
 
 
@@ -64,12 +83,18 @@ def main() -> None:
         f"device: {name}, torch {torch.__version__}, defaults: tile {refit_triton.SCAN_TILE}, "
         f"{refit_triton.SCAN_PROGRAMS_PER_SM} programs per SM"
     )
-    print(f"{'d_in':>5} {'rows':>4} {'tile':>10} {'per SM':>6} {'scan s/row':>10} {'Z GB/s':>7} {'same':>4}")
+    print(
+        f"{'d_in':>5} {'rows':>4} {'tile':>10} {'per SM':>6} {'scan s/row':>10} {'Z GB/s':>7} {'same':>4} "
+        f"{'swap+scan it s/row':>18}"
+    )
     for d_in, n_rows in zip(args.widths, args.rows, strict=True):
         z_bytes, results = sweep(d_in, n_rows, args.device, args.tiles, args.per_sm, args.repeat)
-        for tile, programs, seconds, same in results:
+        for tile, programs, seconds, same, swaps in results:
             flag, rate = "yes" if same else "NO", z_bytes / seconds / 1e9
-            print(f"{d_in:>5} {n_rows:>4} {tile:>10} {programs:>6} {seconds / n_rows:>10.3e} {rate:>7.0f} {flag:>4}")
+            print(
+                f"{d_in:>5} {n_rows:>4} {tile:>10} {programs:>6} {seconds / n_rows:>10.3e} {rate:>7.0f} {flag:>4} "
+                f"{swaps / n_rows:>18.3e}"
+            )
 
 
 if __name__ == "__main__":

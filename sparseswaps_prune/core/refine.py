@@ -290,12 +290,13 @@ class RefitRows:
                 "limit (refine.LAYER_STATE_BYTES); use scope='row' (memory bounded by row_batch) or objective='mask'"
             )
         self.w64, self.keep, self.gram64, self.lam, self.m = w64, keep, gram64, lam, m
-        self.row_batch, self.numba = row_batch, engine == "numba"
-        self.scan, self.outer, self.fused = rs.scan_swaps, rs.add_outer, None
-        if engine == "triton":
+        self.row_batch, self.numba, self.triton = row_batch, engine == "numba", engine == "triton"
+        # the torch state's kernels: scan_swaps, add_outer (and with Triton swap_and_scan)
+        self.kernels = rs
+        if self.triton:
             from sparseswaps_prune.core.backends import refit_triton
 
-            self.scan, self.outer, self.fused = refit_triton.scan_swaps, refit_triton.add_outer, refit_triton
+            self.kernels = refit_triton
         self.row_index = (torch.arange(rows) if row_index is None else row_index.cpu()).to(w64.device)
         self.pivot_floor = rs.pivot_floor(gram64, lam)
         self.rounding = rs.ACCEPT_RTOL * ((w64 @ gram64) * w64).sum(dim=1)
@@ -330,7 +331,7 @@ class RefitRows:
             if cross:
                 out += [*self.state.best_removals(rows), *self.state.best_additions(rows)]
             return Figures(*out)
-        out = list(self.scan(self.state, self.w64, rows, self.pivot_floor, self.m))
+        out = list(self.kernels.scan_swaps(self.state, self.w64, rows, self.pivot_floor, self.m))
         if cross:
             out += [
                 *rs.best_removals(self.state, rows),
@@ -365,12 +366,12 @@ class RefitRows:
         scan = None
         if self.numba:
             u, p = self.state.swap(rows, slot_i, slot_j)
-        elif self.fused and cross is None:
-            (u, p), scan = self.fused.swap_and_scan(
+        elif self.triton and cross is None:
+            (u, p), scan = self.kernels.swap_and_scan(
                 self.state, self.w64, rows, slot_i, slot_j, self.gram64, self.pivot_floor, self.m, rescan=rescan
             )
         else:
-            u, p = rs.swap_slots(self.state, rows, slot_i, slot_j, self.gram64, self.outer)
+            u, p = rs.swap_slots(self.state, rows, slot_i, slot_j, self.gram64, self.kernels.add_outer)
         self.keep[rows, u] = False
         self.keep[rows, p] = True
         if cross is None:
@@ -380,7 +381,7 @@ class RefitRows:
         if self.numba:
             u = self.state.remove(rows, slot_i, vacant)
         else:
-            incoming = rs.remove_kept(self.state, rows, slot_i, self.outer)
+            incoming = rs.remove_kept(self.state, rows, slot_i, self.kernels.add_outer)
             rs.place_pruned(self.state, rows, vacant, incoming)
             u = incoming[0]
         self.keep[rows, u] = False
@@ -389,7 +390,7 @@ class RefitRows:
         if self.numba:
             self.state.add(receivers, slot_j, vacant)
         else:
-            rs.add_pruned(self.state, receivers, slot_j, vacant, self.gram64, outer=self.outer)
+            rs.add_pruned(self.state, receivers, slot_j, vacant, self.gram64, outer=self.kernels.add_outer)
         self.keep[receivers, p] = True
         return None
 
@@ -493,7 +494,7 @@ def iterate(
         rebuild = planner.rebuild_after(it, resync_every, max_iters)
         # without cross-row moves or a rebuild, the next search is of exactly the swapped rows: an engine may scan
         # them while it updates their state
-        rescan = cross is None and not planner.cross and not rebuild and it < max_iters
+        rescan = not planner.cross and not rebuild and it < max_iters
         moves = tuple(t.to(device) for t in (swaps, figures.swap_a[swaps], figures.swap_b[swaps]))
         scanned = model.apply(moves, cross, rescan=rescan)
         n_moves[changed] += 1
