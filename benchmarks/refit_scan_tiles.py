@@ -48,6 +48,11 @@ def sweep(d_in: int, n_rows: int, device: str, tiles: list[str], per_sm: list[in
     floor = rs.pivot_floor(gram, lam)
     rows = torch.arange(n_rows, device=device)
     reference = rs.scan_swaps(state, weight, rows, floor)
+    needed = refit_triton.columns_to_scan(
+        state, rows, rs.removal_terms(state, rows), rs.restorable(state, weight, rows), floor, None
+    )
+    mean_needed = float(needed.sum(1).float().mean())
+    print(f"{d_in:>5} {n_rows:>4} slots the scan evaluates (columns_to_scan): {mean_needed:.1f} of {q} per row")
 
     def scan() -> tuple[torch.Tensor, ...]:
         return refit_triton.scan_swaps(state, weight, rows, floor)

@@ -52,6 +52,9 @@ SCAN_ELEMENTS = 1 << 22
 PIVOT_RTOL = 1e-10
 # A swap is applied only if it lowers F by more than eps + ACCEPT_RTOL * w^T G w (rounding floor of the state).
 ACCEPT_RTOL = 1e-12
+# A scan may skip a restore slot p when its bound -r_p^2 / s_p on every dF(u, p) exceeds a cost already reached by
+# this relative margin (rounding guard; the evaluation error of a pair cost is a few ulps of remove_u + gain_p).
+SKIP_RTOL = 1e-12
 
 
 @dataclass

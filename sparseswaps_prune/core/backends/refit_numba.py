@@ -35,16 +35,13 @@ import numpy as np
 import torch
 
 from sparseswaps_prune.core.backends.numba_search import min_key64
-from sparseswaps_prune.core.refit_swaps import build_state
+from sparseswaps_prune.core.refit_swaps import SKIP_RTOL, build_state
 
 # Pending rank-one terms per row before they are folded into H0 and Z0 (two per move): 32 moves, so runs of up to
 # 32 iterations never fold. A fold costs about K Q multiply-adds per term; a pending term costs K per column the
 # scan visits (a few per row and iteration) and K + Q per move, so folding early does not pay. Memory: 8 F (K + Q)
 # bytes per row, F / K of the state's (4-28% at 60% of 4096-576 inputs).
 FACTOR_SLOTS = 64
-# A restore slot is skipped when -gain exceeds the row's best swap by this relative margin (rounding guard; the
-# evaluation error of a pair cost is a few ulps of remove_u + gain_p).
-SKIP_RTOL = 1e-12
 
 _SWAP, _REMOVE, _ADD = 0, 1, 2
 

@@ -10,7 +10,9 @@ and ``H`` materialises its outer product before adding it. Here
   costs ``v_u^2 / H_uu - (r_p + Z_up v_u / H_uu)^2 / (s_p + Z_up^2 / H_uu)`` tile by tile in registers with the
   reference's operations in the reference's order, compiled without fused multiply-add
   (``enable_fp_fusion=False``), so the costs are bit-identical to :func:`refit_swaps.scan_swaps`; it keeps the
-  minimum and, on ties, the smallest input-index key ``u * d + p``, the reference's tie rule;
+  minimum and, on ties, the smallest input-index key ``u * d + p``, the reference's tie rule; it skips the tiles of
+  pruned slots that cannot win or tie by the numba engine's bound ``dF(u, p) >= -r_p^2 / s_p`` against the costs
+  of the row's column of largest restore gain (:func:`columns_to_scan`; without an update they are not even read);
 * :func:`add_outer` adds ``a b^T`` to the rows' ``Z`` or ``H`` in one read and write (``t + a * b``, again without
   fused multiply-add, so bit-identical to the reference's ``index_add_`` of the materialised product);
 * :func:`swap_and_scan` applies a swap (the removal's and the restore's rank-one updates) with one read and write of
@@ -29,6 +31,7 @@ import triton.language as tl
 
 from sparseswaps_prune.core.backends.triton_search import tile_splits
 from sparseswaps_prune.core.refit_swaps import (
+    SKIP_RTOL,
     RefitState,
     add_pruned,
     no_swaps,
@@ -52,6 +55,35 @@ _NO_KEY = torch.iinfo(torch.long).max
 
 
 @triton.jit
+def _kept_terms(i, k_idx, K, ratio_ptr, h_ptr, remove_ptr, kept_ptr, kept_ok_ptr):
+    """The scan's kept-slot terms of slots ``k_idx`` of row ``i``: ``(in range, ratio, H_uu, remove, kept input,
+    usable)``."""
+    k_in = k_idx < K
+    ratio = tl.load(ratio_ptr + i * K + k_idx, mask=k_in, other=0.0)
+    h = tl.load(h_ptr + i * K + k_idx, mask=k_in, other=1.0)
+    remove = tl.load(remove_ptr + i * K + k_idx, mask=k_in, other=0.0)
+    kept = tl.load(kept_ptr + i * K + k_idx, mask=k_in, other=0)
+    k_ok = k_in & (tl.load(kept_ok_ptr + i * K + k_idx, mask=k_in, other=0) != 0)
+    return k_in, ratio, h, remove, kept, k_ok
+
+
+@triton.jit
+def _fold_costs(z, ok, ratio, h, remove, kept, resid, schur, pruned, floor, acc, acc_key, d, M: tl.constexpr):
+    """Pair costs of a ``[BLOCK_K, BLOCK_Q]`` tile of ``Z`` folded into the running ``(cost, key)`` minimum."""
+    # the reference's operations in its order (no fma: enable_fp_fusion=False at launch)
+    pivot = z * z / h[:, None] + schur[None, :]
+    t = z * ratio[:, None] + resid[None, :]
+    cost = remove[:, None] - t * t / pivot
+    ok = ok & (pivot > floor[None, :])
+    if M > 0:
+        ok = ok & ((kept // M)[:, None] == (pruned // M)[None, :])
+    cost = tl.where(ok, cost, float("inf"))
+    key = kept[:, None] * d + pruned[None, :]
+    better = (cost < acc) | ((cost == acc) & (key < acc_key))
+    return tl.where(better, cost, acc), tl.where(better, key, acc_key)
+
+
+@triton.jit
 def _scan_kernel(
     z_ptr,
     rows_ptr,
@@ -65,6 +97,7 @@ def _scan_kernel(
     pruned_ptr,
     pruned_ok_ptr,
     floor_ptr,
+    need_ptr,
     out_val_ptr,
     out_key_ptr,
     first_a_ptr,
@@ -84,17 +117,17 @@ def _scan_kernel(
     UPDATE: tl.constexpr,
 ):
     """Row ``i`` of the scan, pruned slots of split ``split``: the smallest cost and its smallest key (``M``: the
-    N:M block size, 0 for none). With ``UPDATE`` the program first applies a swap's two rank-one updates to its
-    part of ``Z`` (:func:`_pair_update`'s rule, ``skip_k`` / ``skip_q`` the swap's kept row and pruned column) and
-    scans the updated entries: ``Z`` is read and written once."""
+    N:M block size, 0 for none). A tile of pruned slots none of which ``need`` marks is not evaluated (nor read,
+    without an update). With ``UPDATE`` the program first applies a swap's two rank-one updates to its part of
+    ``Z`` (:func:`_pair_update`'s rule, ``skip_k`` / ``skip_q`` the swap's kept row and pruned column) and scans the
+    updated entries: ``Z`` is read and written once."""
     i = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     row = tl.load(rows_ptr + i)
     z_row = z_ptr + row * K * Q
-    inf = float("inf")
     no_key = 9223372036854775807
     # running (cost, key) minimum per tile position, reduced once at the end (no reduction per tile)
-    acc = tl.full([BLOCK_K, BLOCK_Q], inf, tl.float64)
+    acc = tl.full([BLOCK_K, BLOCK_Q], float("inf"), tl.float64)
     acc_key = tl.full([BLOCK_K, BLOCK_Q], no_key, tl.int64)
     q_begin = split * tiles_per_split * BLOCK_Q
     q_end = tl.minimum(Q, q_begin + tiles_per_split * BLOCK_Q)
@@ -109,21 +142,17 @@ def _scan_kernel(
         pruned = tl.load(pruned_ptr + i * Q + q_idx, mask=q_in, other=0)
         floor = tl.load(floor_ptr + i * Q + q_idx, mask=q_in, other=0.0)
         q_ok = q_in & (tl.load(pruned_ok_ptr + i * Q + q_idx, mask=q_in, other=0) != 0)
+        need = tl.max(tl.load(need_ptr + i * Q + q_idx, mask=q_in, other=0).to(tl.int32), axis=0) != 0
         if UPDATE:
             first_b = tl.load(first_b_ptr + i * Q + q_idx, mask=q_in, other=0.0)
             second_b = tl.load(second_b_ptr + i * Q + q_idx, mask=q_in, other=0.0)
-        for k0 in range(0, K, BLOCK_K):
-            k_idx = k0 + tl.arange(0, BLOCK_K)
-            k_in = k_idx < K
-            ratio = tl.load(ratio_ptr + i * K + k_idx, mask=k_in, other=0.0)
-            h = tl.load(h_ptr + i * K + k_idx, mask=k_in, other=1.0)
-            remove = tl.load(remove_ptr + i * K + k_idx, mask=k_in, other=0.0)
-            kept = tl.load(kept_ptr + i * K + k_idx, mask=k_in, other=0)
-            k_ok = k_in & (tl.load(kept_ok_ptr + i * K + k_idx, mask=k_in, other=0) != 0)
-            ok = k_ok[:, None] & q_ok[None, :]
-            z_ptrs = z_row + k_idx[:, None].to(tl.int64) * Q + q_idx[None, :]
-            if UPDATE:
+            for k0 in range(0, K, BLOCK_K):
+                k_idx = k0 + tl.arange(0, BLOCK_K)
+                k_in, ratio, h, remove, kept, k_ok = _kept_terms(
+                    i, k_idx, K, ratio_ptr, h_ptr, remove_ptr, kept_ptr, kept_ok_ptr
+                )
                 tile = k_in[:, None] & q_in[None, :]
+                z_ptrs = z_row + k_idx[:, None].to(tl.int64) * Q + q_idx[None, :]
                 first_a = tl.load(first_a_ptr + i * K + k_idx, mask=k_in, other=0.0)
                 second_a = tl.load(second_a_ptr + i * K + k_idx, mask=k_in, other=0.0)
                 z = tl.load(z_ptrs, mask=tile, other=0.0)
@@ -131,20 +160,22 @@ def _scan_kernel(
                 z = tl.where(first, z + first_a[:, None] * first_b[None, :], z)
                 z = z + second_a[:, None] * second_b[None, :]
                 tl.store(z_ptrs, z, mask=tile)
-            else:
-                z = tl.load(z_ptrs, mask=ok, other=0.0)
-            # the reference's operations in its order (no fma: enable_fp_fusion=False at launch)
-            pivot = z * z / h[:, None] + schur[None, :]
-            t = z * ratio[:, None] + resid[None, :]
-            cost = remove[:, None] - t * t / pivot
-            ok = ok & (pivot > floor[None, :])
-            if M > 0:
-                ok = ok & ((kept // M)[:, None] == (pruned // M)[None, :])
-            cost = tl.where(ok, cost, inf)
-            key = kept[:, None] * d + pruned[None, :]
-            better = (cost < acc) | ((cost == acc) & (key < acc_key))
-            acc = tl.where(better, cost, acc)
-            acc_key = tl.where(better, key, acc_key)
+                if need:
+                    acc, acc_key = _fold_costs(
+                        z, k_ok[:, None] & q_ok[None, :], ratio, h, remove, kept, resid, schur, pruned, floor,
+                        acc, acc_key, d, M,
+                    )  # fmt: skip
+        elif need:
+            for k0 in range(0, K, BLOCK_K):
+                k_idx = k0 + tl.arange(0, BLOCK_K)
+                k_in, ratio, h, remove, kept, k_ok = _kept_terms(
+                    i, k_idx, K, ratio_ptr, h_ptr, remove_ptr, kept_ptr, kept_ok_ptr
+                )
+                ok = k_ok[:, None] & q_ok[None, :]
+                z = tl.load(z_row + k_idx[:, None].to(tl.int64) * Q + q_idx[None, :], mask=ok, other=0.0)
+                acc, acc_key = _fold_costs(
+                    z, ok, ratio, h, remove, kept, resid, schur, pruned, floor, acc, acc_key, d, M
+                )
     best = tl.min(tl.min(acc, axis=1), axis=0)
     best_key = tl.min(tl.min(tl.where(acc == best, acc_key, no_key), axis=1), axis=0)
     tl.store(out_val_ptr + i * n_split + split, best)
@@ -231,6 +262,7 @@ def _scan(
     kept, kept_ok, pruned = state.kept[rows], state.kept_ok[rows], state.pruned[rows]
     h_safe, ratio, remove = removal_terms(state, rows)  # as the reference
     pruned_ok = restorable(state, w64, rows)
+    need = columns_to_scan(state, rows, (h_safe, ratio, remove), pruned_ok, pivot_floor, m, update)
     block_k, block_q, num_warps = SCAN_TILE if update is None else SWAP_SCAN_TILE
     n_tiles = triton.cdiv(q_slots, block_q)
     if q_splits is None and dev.type == "cuda":
@@ -253,6 +285,7 @@ def _scan(
         pruned.contiguous(),
         pruned_ok.to(torch.int8).contiguous(),
         pivot_floor[pruned].contiguous(),
+        need.to(torch.int8).contiguous(),
         part_val,
         part_key,
         *terms,
@@ -275,6 +308,50 @@ def _scan(
     slot_i = torch.where(found, ((kept == u[:, None]) & kept_ok).to(torch.int8).argmax(dim=1), 0)
     slot_j = torch.where(found, ((pruned == p[:, None]) & state.pruned_ok[rows]).to(torch.int8).argmax(dim=1), 0)
     return best, slot_i, slot_j
+
+
+def columns_to_scan(
+    state: RefitState,
+    rows: torch.Tensor,
+    terms: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    pruned_ok: torch.Tensor,
+    pivot_floor: torch.Tensor,
+    m: int | None,
+    update: tuple[torch.Tensor, ...] | None = None,
+) -> torch.Tensor:
+    """``[n, Q]`` bool: the pruned slots whose pairs the scan of ``rows`` must evaluate; the others cannot win or tie.
+
+    Every pair's change satisfies ``dF(u, p) >= -r_p^2 / s_p`` (the numba engine's bound). The costs of the row's
+    column of largest restore gain give a cost ``c`` the scan reaches; a slot whose bound exceeds ``c`` by the
+    rounding margin :data:`refit_swaps.SKIP_RTOL` is not needed. Rows with a non-positive ``H_uu`` (a broken
+    state) need every slot. ``terms``: :func:`refit_swaps.removal_terms` of ``rows``; ``pruned_ok``: the
+    restorable slots; ``update``: as :func:`_scan` (the column is taken after the update; ``Z`` is not modified).
+    Cost: one ``[n, K]`` column per row.
+    """
+    h_safe, ratio, remove = terms
+    kept_ok, schur, resid, pruned = state.kept_ok[rows], state.schur[rows], state.resid[rows], state.pruned[rows]
+    positive = pruned_ok & (schur > 0)
+    neg_gain = torch.where(positive, -resid.square() / torch.where(positive, schur, 1.0), float("inf"))
+    neg_gain = torch.where(pruned_ok & ~positive, -float("inf"), neg_gain)  # no bound there: always scanned
+    ar = torch.arange(rows.numel(), device=rows.device)
+    top = neg_gain.argmin(dim=1)  # the largest gain
+    column = state.z[rows, :, top]  # [n, K]
+    if update is not None:  # the update's entries of that column, as the kernel computes them
+        first_a, first_b, second_a, second_b, skip_k, skip_q = update
+        first = (torch.arange(column.shape[1], device=rows.device) != skip_k[:, None]) & (top != skip_q)[:, None]
+        column = torch.where(first, column + first_a * first_b[ar, top][:, None], column)
+        column = column + second_a * second_b[ar, top][:, None]
+    pivot = column.square() / h_safe + schur[ar, top][:, None]
+    t = column * ratio + resid[ar, top][:, None]
+    cost = remove - t.square() / pivot
+    ok = kept_ok & pruned_ok[ar, top][:, None] & (pivot > pivot_floor[pruned[ar, top]][:, None])
+    if m is not None:
+        ok &= (state.kept[rows] // m) == (pruned[ar, top] // m)[:, None]
+    reached = torch.where(ok, cost, float("inf")).amin(dim=1, keepdim=True)
+    rem_max = torch.where(kept_ok, remove.abs(), 0.0).amax(dim=1, keepdim=True)
+    need = ~(neg_gain > reached + SKIP_RTOL * (rem_max - neg_gain))  # NaN: scanned
+    need |= ~((h_safe > 0) | ~kept_ok).all(dim=1, keepdim=True)
+    return need & pruned_ok
 
 
 def _launch_update(target: torch.Tensor, rows: torch.Tensor, first: tuple, second: tuple | None = None) -> None:
