@@ -67,20 +67,22 @@ def test_scan_ties_and_rows_without_a_pair():
     assert (int(state.kept[0, got[1][0]]), int(state.pruned[0, got[2][0]])) == (d // 2, 0)  # smallest u, then p
 
 
-def test_the_scan_skips_slots_by_the_bound():
-    weight, gram, keep = _layer(7, 300, seed=3)
+@pytest.mark.parametrize(("nm", "most"), [(None, 3), ((2, 4), 12)])
+def test_the_scan_skips_slots_by_the_bound(nm, most):
+    weight, gram, keep = _layer(7, 300, seed=3, nm=nm)
     state, lam = _state(weight, gram, keep)
     floor = rs.pivot_floor(gram, lam)
     rows = torch.arange(7, device=DEVICE)
+    m = nm[1] if nm else None
 
     def need():
         terms = rs.removal_terms(state, rows)
-        return refit_triton.columns_to_scan(state, rows, terms, rs.restorable(state, weight, rows), floor, None)
+        return refit_triton.columns_to_scan(state, rows, terms, rs.restorable(state, weight, rows), floor, m)
 
-    _, _, slot_j = rs.scan_swaps(state, weight, rows, floor)
+    _, _, slot_j = rs.scan_swaps(state, weight, rows, floor, m)
     needed = need()
     assert needed[torch.arange(7, device=DEVICE), slot_j].all()  # the winner's slot is scanned
-    assert int(needed.sum(dim=1).max()) <= 3  # of about 180 pruned slots per row
+    assert int(needed.sum(dim=1).max()) <= most  # of 150-180 pruned slots per row
     i0 = int(state.kept_ok[2].to(torch.int8).argmax())
     state.inv[2, i0, i0] = -1.0  # a broken state has no bound: every restorable slot is scanned
     assert torch.equal(need()[2], rs.restorable(state, weight, rows)[2])

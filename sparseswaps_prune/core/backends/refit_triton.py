@@ -12,7 +12,7 @@ and ``H`` materialises its outer product before adding it. Here
   (``enable_fp_fusion=False``), so the costs are bit-identical to :func:`refit_swaps.scan_swaps`; it keeps the
   minimum and, on ties, the smallest input-index key ``u * d + p``, the reference's tie rule; it skips the tiles of
   pruned slots that cannot win or tie by the numba engine's bound ``dF(u, p) >= -r_p^2 / s_p`` against the costs
-  of the row's column of largest restore gain (:func:`columns_to_scan`; without an update they are not even read);
+  of the row's columns of largest restore gain (:func:`columns_to_scan`; without an update they are not even read);
 * :func:`add_outer` adds ``a b^T`` to the rows' ``Z`` or ``H`` in one read and write (``t + a * b``, again without
   fused multiply-add, so bit-identical to the reference's ``index_add_`` of the materialised product);
 * :func:`swap_and_scan` applies a swap (the removal's and the restore's rank-one updates) with one read and write of
@@ -51,6 +51,9 @@ OUTER_TILE = (8, 512, 8)
 # Scan programs aimed for per streaming multiprocessor (a row's pruned slots are split to reach it; 4 to 32 made no
 # consistent difference in the sweep).
 SCAN_PROGRAMS_PER_SM = 4
+# Columns of largest restore gain whose pair costs set a row's skip threshold (columns_to_scan): on the N:M test
+# layer 4 columns leave 1-12 of about 150 pruned slots per row to evaluate, 1 column up to 90.
+THRESHOLD_COLUMNS = 4
 _NO_KEY = torch.iinfo(torch.long).max
 
 
@@ -322,32 +325,36 @@ def columns_to_scan(
     """``[n, Q]`` bool: the pruned slots whose pairs the scan of ``rows`` must evaluate; the others cannot win or tie.
 
     Every pair's change satisfies ``dF(u, p) >= -r_p^2 / s_p`` (the numba engine's bound). The costs of the row's
-    column of largest restore gain give a cost ``c`` the scan reaches; a slot whose bound exceeds ``c`` by the
-    rounding margin :data:`refit_swaps.SKIP_RTOL` is not needed. Rows with a non-positive ``H_uu`` (a broken
-    state) need every slot. ``terms``: :func:`refit_swaps.removal_terms` of ``rows``; ``pruned_ok``: the
-    restorable slots; ``update``: as :func:`_scan` (the column is taken after the update; ``Z`` is not modified).
-    Cost: one ``[n, K]`` column per row.
+    ``THRESHOLD_COLUMNS`` columns of largest restore gain give a cost ``c`` the scan reaches; a slot whose bound
+    exceeds ``c`` by the rounding margin :data:`refit_swaps.SKIP_RTOL` is not needed. Rows with a non-positive
+    ``H_uu`` (a broken state) need every slot. ``terms``: :func:`refit_swaps.removal_terms` of ``rows``;
+    ``pruned_ok``: the restorable slots; ``update``: as :func:`_scan` (the columns are taken after the update; ``Z``
+    is not modified). Cost: ``THRESHOLD_COLUMNS`` ``[n, K]`` columns.
     """
     h_safe, ratio, remove = terms
     kept_ok, schur, resid, pruned = state.kept_ok[rows], state.schur[rows], state.resid[rows], state.pruned[rows]
     positive = pruned_ok & (schur > 0)
     neg_gain = torch.where(positive, -resid.square() / torch.where(positive, schur, 1.0), float("inf"))
     neg_gain = torch.where(pruned_ok & ~positive, -float("inf"), neg_gain)  # no bound there: always scanned
-    ar = torch.arange(rows.numel(), device=rows.device)
-    top = neg_gain.argmin(dim=1)  # the largest gain
-    column = state.z[rows, :, top]  # [n, K]
-    if update is not None:  # the update's entries of that column, as the kernel computes them
+    top = neg_gain.topk(min(THRESHOLD_COLUMNS, neg_gain.shape[1]), dim=1, largest=False).indices  # [n, c]
+    column = state.z[rows[:, None], :, top].transpose(1, 2)  # [n, K, c]
+
+    def at_top(t: torch.Tensor) -> torch.Tensor:  # [n, Q] -> [n, 1, c]
+        return t.gather(1, top)[:, None, :]
+
+    if update is not None:  # the update's entries of those columns, as the kernel computes them
         first_a, first_b, second_a, second_b, skip_k, skip_q = update
-        first = (torch.arange(column.shape[1], device=rows.device) != skip_k[:, None]) & (top != skip_q)[:, None]
-        column = torch.where(first, column + first_a * first_b[ar, top][:, None], column)
-        column = column + second_a * second_b[ar, top][:, None]
-    pivot = column.square() / h_safe + schur[ar, top][:, None]
-    t = column * ratio + resid[ar, top][:, None]
-    cost = remove - t.square() / pivot
-    ok = kept_ok & pruned_ok[ar, top][:, None] & (pivot > pivot_floor[pruned[ar, top]][:, None])
+        slots = torch.arange(column.shape[1], device=rows.device)
+        first = (slots[None, :, None] != skip_k[:, None, None]) & (top != skip_q[:, None])[:, None, :]
+        column = torch.where(first, column + first_a[:, :, None] * at_top(first_b), column)
+        column = column + second_a[:, :, None] * at_top(second_b)
+    pivot = column.square() / h_safe[:, :, None] + at_top(schur)
+    t = column * ratio[:, :, None] + at_top(resid)
+    cost = remove[:, :, None] - t.square() / pivot
+    ok = kept_ok[:, :, None] & at_top(pruned_ok) & (pivot > pivot_floor[at_top(pruned)])
     if m is not None:
-        ok &= (state.kept[rows] // m) == (pruned[ar, top] // m)[:, None]
-    reached = torch.where(ok, cost, float("inf")).amin(dim=1, keepdim=True)
+        ok &= (state.kept[rows] // m)[:, :, None] == at_top(pruned) // m
+    reached = torch.where(ok, cost, float("inf")).flatten(1).amin(dim=1, keepdim=True)
     rem_max = torch.where(kept_ok, remove.abs(), 0.0).amax(dim=1, keepdim=True)
     need = ~(neg_gain > reached + SKIP_RTOL * (rem_max - neg_gain))  # NaN: scanned
     need |= ~((h_safe > 0) | ~kept_ok).all(dim=1, keepdim=True)
