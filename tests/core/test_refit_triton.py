@@ -86,6 +86,11 @@ def test_the_scan_skips_slots_by_the_bound(nm, most):
     i0 = int(state.kept_ok[2].to(torch.int8).argmax())
     state.inv[2, i0, i0] = -1.0  # a broken state has no bound: every restorable slot is scanned
     assert torch.equal(need()[2], rs.restorable(state, weight, rows)[2])
+    restorable = rs.restorable(state, weight, rows)[4]
+    top = int(torch.where(restorable, -state.resid[4].square() / state.schur[4], 1.0).argmin())
+    pair = state.kept_ok[4] & ((state.kept[4] // m == state.pruned[4, top] // m) if m else True)
+    state.z[4, int(pair.to(torch.int8).argmax()), top] = float("inf")  # a NaN cost there: no threshold
+    assert torch.equal(need()[4], rs.restorable(state, weight, rows)[4])
 
 
 def test_updates_match_the_reference():

@@ -327,9 +327,10 @@ def columns_to_scan(
     Every pair's change satisfies ``dF(u, p) >= -r_p^2 / s_p`` (the numba engine's bound). The costs of the row's
     ``THRESHOLD_COLUMNS`` columns of largest restore gain give a cost ``c`` the scan reaches; a slot whose bound
     exceeds ``c`` by the rounding margin :data:`refit_swaps.SKIP_RTOL` is not needed. Rows with a non-positive
-    ``H_uu`` (a broken state) need every slot. ``terms``: :func:`refit_swaps.removal_terms` of ``rows``;
-    ``pruned_ok``: the restorable slots; ``update``: as :func:`_scan` (the columns are taken after the update; ``Z``
-    is not modified). Cost: ``THRESHOLD_COLUMNS`` ``[n, K]`` columns.
+    ``H_uu`` or a NaN ``c`` (a broken state) need every slot. ``terms``:
+    :func:`refit_swaps.removal_terms` of ``rows``; ``pruned_ok``: the restorable slots; ``update``: as
+    :func:`_scan` (the columns are taken after the update; ``Z`` is not modified). Cost: ``THRESHOLD_COLUMNS``
+    ``[n, K]`` columns.
     """
     h_safe, ratio, remove = terms
     kept_ok, schur, resid, pruned = state.kept_ok[rows], state.schur[rows], state.resid[rows], state.pruned[rows]
