@@ -45,6 +45,7 @@ from sparseswaps_prune.core.refit_swaps import (
 # `benchmarks/refit_scan_tiles.py`): the scan alone is fastest with small tiles (16 x 32: 1.3 TB/s of Z against
 # 0.8 TB/s at 4 x 256); for the fused pass, timed in whole iterations, 16 x 32 was no faster than 4 x 256 (faster
 # at 16 rows, slower at 256 and at 14336 inputs), so 4 x 256 stays; the update runs at about 5 TB/s, the bandwidth.
+# All measured before the scan skipped tiles by the bound (columns_to_scan): to be tuned again on a GPU.
 SCAN_TILE = (16, 32, 4)
 SWAP_SCAN_TILE = (4, 256, 4)
 OUTER_TILE = (8, 512, 8)
