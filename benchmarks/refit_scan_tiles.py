@@ -1,5 +1,7 @@
-"""Launch shapes of the Triton re-fit pair scan: seconds per row and the rate at which the scan reads ``Z``, for each
-tile ``(BLOCK_K, BLOCK_Q, num_warps)`` (``refit_triton.SCAN_TILE``) and each count of programs aimed for per
+"""Launch shapes of the Triton re-fit pair scan: seconds per row and the bytes of ``Z`` per second (all of ``Z``, though
+the scan skips the tiles :func:`refit_triton.columns_to_scan` leaves out, so a rate over the bandwidth is possible),
+and the time of an iteration with the fused swap and scan (``swap_and_scan``), for each tile ``(BLOCK_K, BLOCK_Q,
+num_warps)`` (set as ``refit_triton.SCAN_TILE`` and ``SWAP_SCAN_TILE``) and each count of programs aimed for per
 streaming multiprocessor (``refit_triton.SCAN_PROGRAMS_PER_SM``) given, on the layer of ``benchmarks/refit_swaps.py``
 (random correlated Gram, 60% Wanda mask). Every shape's scan is checked against the torch reference
 (``refit_swaps.scan_swaps``): ``same`` says its costs and slots are bit-identical. CUDA (``--device cpu`` only under
