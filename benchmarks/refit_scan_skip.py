@@ -1,0 +1,102 @@
+"""How much of the re-fit pair scan the bound lets the Triton engine skip, on the real layers of the default model.
+
+For every linear layer of ``--blocks`` of the packaged SmolLM2-135M-Instruct (Grams from ``--nsamples`` built-in
+calibration windows) with a Wanda mask of ``--pattern``: the re-fit state of every row (torch engine, the default
+row batches), then :func:`~sparseswaps_prune.core.backends.refit_triton.columns_to_scan` (the pruned slots whose
+pairs the Triton scan evaluates; the others cannot win or tie by ``dF(u, p) >= -r_p^2 / s_p``), at the start and
+again after ``--iters`` iterations of the library's row-scope loop. Printed per layer kind and over all layers: the
+mean restorable and evaluated slots per row, and the share of the scan's tiles of 32 and of 256 pruned slots
+(``SCAN_TILE`` and ``SWAP_SCAN_TILE``) that hold an evaluated slot, i.e. the share of the pair arithmetic the
+kernel still does. CPU (the torch state; no kernel runs).
+
+    python benchmarks/refit_scan_skip.py [--blocks 0 15 29] [--pattern 60%] [--iters 10] [--nsamples 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+from collections import defaultdict
+
+import torch
+from common import capture_grams, pattern_options
+
+from sparseswaps_prune.core import refine
+from sparseswaps_prune.core import refit_swaps as rs
+from sparseswaps_prune.core.backends.refit_triton import columns_to_scan
+from sparseswaps_prune.core.refine import RefitRows, RowPlanner, _default_row_batch
+from sparseswaps_prune.core.refit import REFIT_DAMP, damping
+from sparseswaps_prune.core.spec import SwapRefine
+from sparseswaps_prune.core.warmstart import warmstart_mask
+
+TILE_WIDTHS = (32, 256)
+
+
+def skip_counts(model: RefitRows) -> dict[str, float]:
+    """Rows, restorable slots, evaluated slots and, per tile width, tiles and tiles with an evaluated slot, summed
+    over the rows of ``model``."""
+    rows = torch.arange(model.keep.shape[0])
+    restorable = rs.restorable(model.state, model.w64, rows)
+    terms = rs.removal_terms(model.state, rows)
+    need = columns_to_scan(model.state, rows, terms, restorable, model.pivot_floor, model.m)
+    out = {"rows": rows.numel(), "restorable": int(restorable.sum()), "evaluated": int(need.sum())}
+    for width in TILE_WIDTHS:
+        pad = -need.shape[1] % width
+        tiles = torch.nn.functional.pad(need, (0, pad)).view(need.shape[0], -1, width).any(dim=2)
+        out[f"tiles{width}"] = tiles.numel()
+        out[f"hit{width}"] = int(tiles.sum())
+    return out
+
+
+def measure(weight: torch.Tensor, gram: torch.Tensor, pattern: str, iters: int, damp: float) -> dict[str, dict]:
+    """:func:`skip_counts` of one layer at the start and after ``iters`` iterations, over its default row batches."""
+    options = pattern_options(pattern)
+    nm = options["nm"]
+    w64, gram64 = weight.double(), gram.double()
+    keep = warmstart_mask(weight, "wanda", sparsity=options["sparsity"], nm=nm, gram=gram64)
+    lam = damping(gram64, damp)
+    out: dict[str, dict] = {"start": defaultdict(float), "after": defaultdict(float)}
+    batch = _default_row_batch(keep, True, spare=0, device=torch.device("cpu"))
+    for r0 in range(0, keep.shape[0], batch):
+        sub = slice(r0, r0 + batch)
+        model = RefitRows(w64[sub], keep[sub].clone(), gram64, lam=lam, m=nm[1] if nm else None, row_batch=batch,
+                          cross=False, engine="torch")  # fmt: skip
+        for key, value in skip_counts(model).items():
+            out["start"][key] += value
+        refine.iterate(model, RowPlanner(model.rounding.cpu()), max_iters=iters, resync_every=SwapRefine().resync_every)
+        for key, value in skip_counts(model).items():
+            out["after"][key] += value
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--blocks", type=int, nargs="+", default=[0, 15, 29])
+    parser.add_argument("--pattern", default="60%", help="e.g. 60%% or 2:4")
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--nsamples", type=int, default=16, help="calibration windows")
+    parser.add_argument("--seqlen", type=int, default=256)
+    parser.add_argument("--damp", type=float, default=REFIT_DAMP)
+    args = parser.parse_args()
+    print(
+        f"machine: {platform.processor() or platform.machine()}, torch {torch.__version__}; blocks {args.blocks}, "
+        f"{args.pattern}, after {args.iters} iterations"
+    )
+    weights, grams = capture_grams(args.blocks, args.nsamples, args.nsamples, 0, args.seqlen)
+    kinds: dict[tuple[str, str], dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    for name, weight in weights.items():
+        for when, counts in measure(weight, grams[name]["small"].gram, args.pattern, args.iters, args.damp).items():
+            for kind in (name.rsplit(".", 1)[-1], "all layers"):
+                for key, value in counts.items():
+                    kinds[(kind, when)][key] += value
+    print(f"{'layers':>12} {'when':>5} {'restorable/row':>14} {'evaluated/row':>13} {'tiles of 32':>11} "
+          f"{'tiles of 256':>12}")  # fmt: skip
+    for (kind, when), c in kinds.items():
+        print(
+            f"{kind:>12} {when:>5} {c['restorable'] / c['rows']:>14.1f} {c['evaluated'] / c['rows']:>13.2f} "
+            f"{c['hit32'] / c['tiles32']:>11.2%} {c['hit256'] / c['tiles256']:>12.2%}"
+        )
+
+
+if __name__ == "__main__":
+    main()
