@@ -3,11 +3,12 @@
 For every linear layer of ``--blocks`` of the packaged SmolLM2-135M-Instruct (Grams from ``--nsamples`` built-in
 calibration windows) with a Wanda mask of ``--pattern``: the re-fit state of every row (torch engine, the default
 row batches), then :func:`~sparseswaps_prune.core.backends.refit_triton.columns_to_scan` (the pruned slots whose
-pairs the Triton scan evaluates; the others cannot win or tie by ``dF(u, p) >= -r_p^2 / s_p``), at the start and
-again after ``--iters`` iterations of the library's row-scope loop. Printed per layer kind and over all layers: the
-mean restorable and evaluated slots per row, and the share of the scan's tiles of 32 and of 256 pruned slots
-(``SCAN_TILE`` and ``SWAP_SCAN_TILE``) that hold an evaluated slot, i.e. the share of the pair arithmetic the
-kernel still does. CPU (the torch state; no kernel runs).
+pairs the Triton scan evaluates; the others cannot win or tie by ``dF(u, p) >= -r_p^2 / s_p``), at the start
+(every row) and after ``--iters`` iterations of the library's row-scope loop (the rows whose best swap still lowers
+the loss past the rounding floor, which the loop would go on scanning). Printed per layer kind and over all layers:
+the rows counted, the mean restorable and evaluated slots per row, and the share of the scan's tiles of 32 and of
+256 pruned slots (``SCAN_TILE`` and ``SWAP_SCAN_TILE``) that hold an evaluated slot, i.e. the share of the pair
+arithmetic the kernel still does. CPU (the torch state; no kernel runs).
 
     python benchmarks/refit_scan_skip.py [--blocks 0 15 29] [--pattern 60%] [--iters 10] [--nsamples 16]
 """
@@ -32,10 +33,9 @@ from sparseswaps_prune.core.warmstart import warmstart_mask
 TILE_WIDTHS = (32, 256)
 
 
-def skip_counts(model: RefitRows) -> dict[str, float]:
+def skip_counts(model: RefitRows, rows: torch.Tensor) -> dict[str, float]:
     """Rows, restorable slots, evaluated slots and, per tile width, tiles and tiles with an evaluated slot, summed
-    over the rows of ``model``."""
-    rows = torch.arange(model.keep.shape[0])
+    over ``rows`` (``[n]`` int64) of ``model``."""
     restorable = rs.restorable(model.state, model.w64, rows)
     terms = rs.removal_terms(model.state, rows)
     need = columns_to_scan(model.state, rows, terms, restorable, model.pivot_floor, model.m)
@@ -61,10 +61,13 @@ def measure(weight: torch.Tensor, gram: torch.Tensor, pattern: str, iters: int, 
         sub = slice(r0, r0 + batch)
         model = RefitRows(w64[sub], keep[sub].clone(), gram64, lam=lam, m=nm[1] if nm else None, row_batch=batch,
                           cross=False, engine="torch")  # fmt: skip
-        for key, value in skip_counts(model).items():
+        rows = torch.arange(model.keep.shape[0])
+        for key, value in skip_counts(model, rows).items():
             out["start"][key] += value
         refine.iterate(model, RowPlanner(model.rounding.cpu()), max_iters=iters, resync_every=SwapRefine().resync_every)
-        for key, value in skip_counts(model).items():
+        # the rows whose best swap still lowers the loss past the floor: those the loop would go on scanning
+        working = rows[model.figures(rows, cross=False).swap_dl < -model.rounding.cpu()]
+        for key, value in skip_counts(model, working).items():
             out["after"][key] += value
     return out
 
@@ -89,12 +92,13 @@ def main() -> None:
             for kind in (name.rsplit(".", 1)[-1], "all layers"):
                 for key, value in counts.items():
                     kinds[(kind, when)][key] += value
-    print(f"{'layers':>12} {'when':>5} {'restorable/row':>14} {'evaluated/row':>13} {'tiles of 32':>11} "
+    print(f"{'layers':>12} {'when':>5} {'rows':>6} {'restorable/row':>14} {'evaluated/row':>13} {'tiles of 32':>11} "
           f"{'tiles of 256':>12}")  # fmt: skip
-    for (kind, when), c in kinds.items():
+    for (kind, when), c in sorted(kinds.items(), key=lambda item: (item[0][0] == "all layers", item[0][1] == "after")):
+        n = max(c["rows"], 1)
         print(
-            f"{kind:>12} {when:>5} {c['restorable'] / c['rows']:>14.1f} {c['evaluated'] / c['rows']:>13.2f} "
-            f"{c['hit32'] / c['tiles32']:>11.2%} {c['hit256'] / c['tiles256']:>12.2%}"
+            f"{kind:>12} {when:>5} {int(c['rows']):>6} {c['restorable'] / n:>14.1f} {c['evaluated'] / n:>13.2f} "
+            f"{c['hit32'] / max(c['tiles32'], 1):>11.2%} {c['hit256'] / max(c['tiles256'], 1):>12.2%}"
         )
 
 
