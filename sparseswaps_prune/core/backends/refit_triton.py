@@ -52,8 +52,9 @@ OUTER_TILE = (8, 512, 8)
 # Scan programs aimed for per streaming multiprocessor (a row's pruned slots are split to reach it; 4 to 32 made no
 # consistent difference in the sweep).
 SCAN_PROGRAMS_PER_SM = 4
-# Columns of largest restore gain whose pair costs set a row's skip threshold (columns_to_scan): on the N:M test
-# layer 4 columns leave 1-12 of about 150 pruned slots per row to evaluate, 1 column up to 90.
+# Columns of largest restore gain whose pair costs set a row's skip threshold (columns_to_scan): more than one, so
+# that an N:M row's threshold comes from a pair its block allows (the N:M test layer asks for at most 12 of about
+# 150 pruned slots per row to be evaluated).
 THRESHOLD_COLUMNS = 4
 _NO_KEY = torch.iinfo(torch.long).max
 
