@@ -5,6 +5,7 @@ No benchmark imports another benchmark; what more than one of them needs lives h
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 from collections.abc import Callable
 from typing import Any
@@ -12,6 +13,7 @@ from typing import Any
 import torch
 
 from sparseswaps_prune.core.gram import GramAccumulator
+from sparseswaps_prune.core.refit import REFIT_DAMP
 from sparseswaps_prune.core.spec import DEFAULT_SPEC, DSnoTRefine, PruneSpec, SwapRefine, build_spec
 from sparseswaps_prune.llm.block_tune import BLOCK_TUNE_EPOCHS, BLOCK_TUNE_LR, BLOCK_TUNE_SCHEDULE
 from sparseswaps_prune.llm.data import load_calibration
@@ -29,6 +31,17 @@ def pattern_options(pattern: str) -> dict[str, Any]:
         n, m = (int(v) for v in pattern.split(":"))
         return {"sparsity": None, "nm": (n, m)}
     return {"sparsity": float(pattern.rstrip("%")) / 100, "nm": None}
+
+
+def add_layer_run_args(parser: argparse.ArgumentParser, blocks: list[int]) -> None:
+    """The options of a run over the real layers of ``--blocks`` of the default model: ``--pattern``, ``--iters``,
+    ``--nsamples`` calibration windows of ``--seqlen`` tokens and the re-fit's ``--damp``."""
+    parser.add_argument("--blocks", type=int, nargs="+", default=blocks)
+    parser.add_argument("--pattern", default="60%", help="e.g. 60%% or 2:4")
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--nsamples", type=int, default=16, help="calibration windows")
+    parser.add_argument("--seqlen", type=int, default=256)
+    parser.add_argument("--damp", type=float, default=REFIT_DAMP)
 
 
 def capture_grams(blocks: list[int], small: int, large: int, holdout: int, seqlen: int) -> tuple[dict, Grams]:

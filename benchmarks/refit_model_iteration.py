@@ -24,12 +24,12 @@ import time
 from collections import defaultdict
 
 import torch
-from common import capture_grams, pattern_options
+from common import add_layer_run_args, capture_grams, pattern_options
 
 from sparseswaps_prune.core import refine
 from sparseswaps_prune.core.backends import resolve_backend
 from sparseswaps_prune.core.refine import MaskRows, RefitRows, RowPlanner, _default_row_batch
-from sparseswaps_prune.core.refit import REFIT_DAMP, damping, refit_weights
+from sparseswaps_prune.core.refit import damping, refit_weights
 from sparseswaps_prune.core.spec import SwapRefine
 from sparseswaps_prune.core.warmstart import warmstart_mask
 
@@ -73,12 +73,7 @@ def measure(weight: torch.Tensor, gram: torch.Tensor, pattern: str, iters: int, 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--blocks", type=int, nargs="+", default=list(range(30)))
-    parser.add_argument("--pattern", default="60%", help="e.g. 60%% or 2:4")
-    parser.add_argument("--iters", type=int, default=10)
-    parser.add_argument("--nsamples", type=int, default=16, help="calibration windows")
-    parser.add_argument("--seqlen", type=int, default=256)
-    parser.add_argument("--damp", type=float, default=REFIT_DAMP)
+    add_layer_run_args(parser, blocks=list(range(30)))
     args = parser.parse_args()
     print(
         f"machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "

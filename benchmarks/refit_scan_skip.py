@@ -20,13 +20,13 @@ import platform
 from collections import defaultdict
 
 import torch
-from common import capture_grams, pattern_options
+from common import add_layer_run_args, capture_grams, pattern_options
 
 from sparseswaps_prune.core import refine
 from sparseswaps_prune.core import refit_swaps as rs
 from sparseswaps_prune.core.backends.refit_triton import columns_to_scan
 from sparseswaps_prune.core.refine import RefitRows, RowPlanner, _default_row_batch
-from sparseswaps_prune.core.refit import REFIT_DAMP, damping
+from sparseswaps_prune.core.refit import damping
 from sparseswaps_prune.core.spec import SwapRefine
 from sparseswaps_prune.core.warmstart import warmstart_mask
 
@@ -74,12 +74,7 @@ def measure(weight: torch.Tensor, gram: torch.Tensor, pattern: str, iters: int, 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--blocks", type=int, nargs="+", default=[0, 15, 29])
-    parser.add_argument("--pattern", default="60%", help="e.g. 60%% or 2:4")
-    parser.add_argument("--iters", type=int, default=10)
-    parser.add_argument("--nsamples", type=int, default=16, help="calibration windows")
-    parser.add_argument("--seqlen", type=int, default=256)
-    parser.add_argument("--damp", type=float, default=REFIT_DAMP)
+    add_layer_run_args(parser, blocks=[0, 15, 29])
     args = parser.parse_args()
     print(
         f"machine: {platform.processor() or platform.machine()}, torch {torch.__version__}; blocks {args.blocks}, "
