@@ -270,9 +270,7 @@ def _scan(
     need = columns_to_scan(state, rows, (h_safe, ratio, remove), pruned_ok, pivot_floor, m, update)
     block_k, block_q, num_warps = SCAN_TILE if update is None else SWAP_SCAN_TILE
     n_tiles = triton.cdiv(q_slots, block_q)
-    if q_splits is None and dev.type == "cuda":
-        q_splits = -(-SCAN_PROGRAMS_PER_SM * torch.cuda.get_device_properties(dev).multi_processor_count // n)
-    n_split, tiles_per_split = tile_splits(n, n_tiles, dev, q_splits)
+    n_split, tiles_per_split = tile_splits(n, n_tiles, dev, q_splits, programs_per_sm=SCAN_PROGRAMS_PER_SM)
     part_val = torch.empty(n, n_split, dtype=torch.float64, device=dev)
     part_key = torch.empty(n, n_split, dtype=torch.long, device=dev)
     # without an update its pointers are never read: any tensors of the right types stand in

@@ -92,13 +92,16 @@ def _best_u_kernel(
     tl.store(out_u_ptr + out_off, best_u, mask=r_ok)
 
 
-def tile_splits(n_blocks: int, n_tiles: int, device: torch.device, splits: int | None = None) -> tuple[int, int]:
+def tile_splits(
+    n_blocks: int, n_tiles: int, device: torch.device, splits: int | None = None, programs_per_sm: int = PROGRAMS_PER_SM
+) -> tuple[int, int]:
     """``(splits, tiles per split)`` of a range of ``n_tiles`` tiles shared by ``n_blocks`` blocks of programs:
-    ``splits`` if given (at most ``n_tiles``), else enough programs to fill the GPU (one split in the interpreter)."""
+    ``splits`` if given (at most ``n_tiles``), else enough programs to fill the GPU, ``programs_per_sm`` per
+    streaming multiprocessor (one split in the interpreter)."""
     if splits is None:
         splits = 1
         if device.type == "cuda":
-            target = PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
+            target = programs_per_sm * torch.cuda.get_device_properties(device).multi_processor_count
             splits = -(-target // max(1, n_blocks))
     per_split = triton.cdiv(n_tiles, max(1, min(n_tiles, splits)))
     return triton.cdiv(n_tiles, per_split), per_split
