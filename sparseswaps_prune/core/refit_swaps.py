@@ -195,6 +195,39 @@ def removal_terms(state: RefitState, rows: torch.Tensor) -> tuple[torch.Tensor, 
     return h_safe, ratio, state.coef[rows] * ratio
 
 
+def pair_costs(
+    z: torch.Tensor,
+    h_safe: torch.Tensor,
+    ratio: torch.Tensor,
+    remove: torch.Tensor,
+    kept: torch.Tensor,
+    kept_ok: torch.Tensor,
+    schur: torch.Tensor,
+    resid: torch.Tensor,
+    pruned: torch.Tensor,
+    pruned_ok: torch.Tensor,
+    pivot_floor: torch.Tensor,
+    m: int | None,
+) -> torch.Tensor:
+    """The pair costs ``dF(u, p) = remove_u - (r_p + Z_up ratio_u)^2 / (s_p + Z_up^2 / H_uu)`` of the entries of
+    ``z`` (``+inf`` where the pair is infeasible), with the operations and order every scan engine must use.
+
+    ``z``: ``[n, A, B]`` float64 entries of ``Z`` (not modified); the kept-slot terms (``h_safe``, ``ratio``,
+    ``remove`` of :func:`removal_terms`, ``kept`` inputs, ``kept_ok``) broadcast as ``[n, A, 1]``, the pruned-slot
+    terms (``schur``, ``resid``, ``pruned`` inputs, ``pruned_ok`` restorable) as ``[n, 1, B]``; ``pivot_floor``:
+    ``[d]``; m: N:M block size or None. Returns a new ``[n, A, B]`` float64 tensor (two of that size allocated).
+    """
+    # in place over [n, A, B]: pivot = s_p + Z_up^2 / H_uu, cost = remove_u - (r_p + Z_up ratio_u)^2 / pivot
+    pivot = z.square().div_(h_safe).add_(schur)
+    cost = z.mul(ratio).add_(resid).square_().div_(pivot)
+    ok = pivot > pivot_floor[pruned]
+    ok &= kept_ok
+    ok &= pruned_ok
+    if m is not None:
+        ok &= kept // m == pruned // m
+    return cost.neg_().add_(remove).masked_fill_(~ok, float("inf"))
+
+
 def scan_swaps(
     state: RefitState,
     w64: torch.Tensor,
@@ -223,18 +256,11 @@ def scan_swaps(
     chunk = max(1, SCAN_ELEMENTS // (k_slots * q_slots))
     for c0 in range(0, n, chunk):
         sub = rows[c0 : c0 + chunk]
-        kept, kept_ok, pruned = state.kept[sub], state.kept_ok[sub], state.pruned[sub]
-        h_safe, ratio, remove = removal_terms(state, sub)
-        z = state.z[sub]
-        # in place over [n, K, Q]: pivot = s_p + Z_up^2 / H_uu, cost = remove_u - (r_p + Z_up ratio_u)^2 / pivot
-        pivot = z.square().div_(h_safe[:, :, None]).add_(state.schur[sub][:, None, :])
-        cost = z.mul(ratio[:, :, None]).add_(state.resid[sub][:, None, :]).square_().div_(pivot)
-        ok = pivot > pivot_floor[pruned][:, None, :]
-        ok &= kept_ok[:, :, None]
-        ok &= restorable(state, w64, sub)[:, None, :]
-        if m is not None:
-            ok &= (kept // m)[:, :, None] == (pruned // m)[:, None, :]
-        cost = cost.neg_().add_(remove[:, :, None]).masked_fill_(~ok, float("inf")).flatten(1)
+        kept, pruned = state.kept[sub], state.pruned[sub]
+        kept_terms = [t[:, :, None] for t in (*removal_terms(state, sub), kept, state.kept_ok[sub])]
+        restore_ok = restorable(state, w64, sub)
+        pruned_terms = [t[:, None, :] for t in (state.schur[sub], state.resid[sub], pruned, restore_ok)]
+        cost = pair_costs(state.z[sub], *kept_terms, *pruned_terms, pivot_floor, m).flatten(1)
         low, flat = cost.min(dim=1)  # first slot on ties; the index rule is applied to tied rows only
         tied = ((cost == low[:, None]).sum(dim=1) > 1) & (low < float("inf"))
         if bool(tied.any()):

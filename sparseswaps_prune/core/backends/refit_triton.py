@@ -35,6 +35,7 @@ from sparseswaps_prune.core.refit_swaps import (
     RefitState,
     add_pruned,
     no_swaps,
+    pair_costs,
     removal_terms,
     remove_kept,
     restorable,
@@ -349,13 +350,10 @@ def columns_to_scan(
         first = (slots[None, :, None] != skip_k[:, None, None]) & (top != skip_q[:, None])[:, None, :]
         column = torch.where(first, column + first_a[:, :, None] * at_top(first_b), column)
         column = column + second_a[:, :, None] * at_top(second_b)
-    pivot = column.square() / h_safe[:, :, None] + at_top(schur)
-    t = column * ratio[:, :, None] + at_top(resid)
-    cost = remove[:, :, None] - t.square() / pivot
-    ok = kept_ok[:, :, None] & at_top(pruned_ok) & (pivot > pivot_floor[at_top(pruned)])
-    if m is not None:
-        ok &= (state.kept[rows] // m)[:, :, None] == at_top(pruned) // m
-    reached = torch.where(ok, cost, float("inf")).flatten(1).amin(dim=1, keepdim=True)
+    kept_terms = [t[:, :, None] for t in (h_safe, ratio, remove, state.kept[rows], kept_ok)]
+    pruned_terms = [at_top(t) for t in (schur, resid, pruned, pruned_ok)]
+    cost = pair_costs(column, *kept_terms, *pruned_terms, pivot_floor, m)
+    reached = cost.flatten(1).amin(dim=1, keepdim=True)
     rem_max = torch.where(kept_ok, remove.abs(), 0.0).amax(dim=1, keepdim=True)
     need = ~(neg_gain > reached + SKIP_RTOL * (rem_max - neg_gain))  # NaN: scanned
     need |= ~((h_safe > 0) | ~kept_ok).all(dim=1, keepdim=True)
