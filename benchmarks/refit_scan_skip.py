@@ -6,9 +6,11 @@ row batches), then :func:`~sparseswaps_prune.core.backends.refit_triton.columns_
 pairs the Triton scan evaluates; the others cannot win or tie by ``dF(u, p) >= -r_p^2 / s_p``), at the start
 (every row) and after ``--iters`` iterations of the library's row-scope loop (the rows whose best swap still lowers
 the loss past the rounding floor, which the loop would go on scanning). Printed per layer kind and over all layers:
-the rows counted, the mean restorable and evaluated slots per row, and the share of the scan's tiles of 32 and of
-256 pruned slots (``SCAN_TILE`` and ``SWAP_SCAN_TILE``) that hold an evaluated slot, i.e. the share of the pair
-arithmetic the kernel still does. CPU (the torch state; no kernel runs).
+the rows counted, the mean restorable and evaluated slots per row and, for the tile shapes of the scan alone and of
+the scan fused with an update (``SCAN_TILE`` and ``SWAP_SCAN_TILE``), the share of the tiles of pruned slots that
+hold an evaluated slot and the share of the ``[BLOCK_K, BLOCK_Q]`` tiles of ``Z`` whose pair costs the kernel
+evaluates (the same share without N:M; with N:M only the kept slots of the tile's blocks, ``kept_slot_ranges``):
+the share of the pair arithmetic the kernel still does. CPU (the torch state; no kernel runs).
 
     python benchmarks/refit_scan_skip.py [--blocks 0 15 29] [--pattern 60%] [--iters 10] [--nsamples 16]
 """
@@ -24,27 +26,42 @@ from common import add_layer_run_args, capture_grams, pattern_options
 
 from sparseswaps_prune.core import refine
 from sparseswaps_prune.core import refit_swaps as rs
-from sparseswaps_prune.core.backends.refit_triton import columns_to_scan
+from sparseswaps_prune.core.backends.refit_triton import SCAN_TILE, SWAP_SCAN_TILE, columns_to_scan, kept_slot_ranges
 from sparseswaps_prune.core.refine import RefitRows, RowPlanner, _default_row_batch
 from sparseswaps_prune.core.refit import damping
 from sparseswaps_prune.core.spec import SwapRefine
 from sparseswaps_prune.core.warmstart import warmstart_mask
 
-TILE_WIDTHS = (32, 256)
+# (BLOCK_K, BLOCK_Q) of the scan alone and of the scan fused with a swap's update
+TILES = {"scan": SCAN_TILE[:2], "fused": SWAP_SCAN_TILE[:2]}
 
 
 def skip_counts(model: RefitRows, rows: torch.Tensor) -> dict[str, float]:
-    """Rows, restorable slots, evaluated slots and, per tile width, tiles and tiles with an evaluated slot, summed
-    over ``rows`` (``[n]`` int64) of ``model``."""
-    restorable = rs.restorable(model.state, model.w64, rows)
-    terms = rs.removal_terms(model.state, rows)
-    need = columns_to_scan(model.state, rows, terms, restorable, model.pivot_floor, model.m)
+    """Rows, restorable slots, evaluated slots and, per tile shape of :data:`TILES`, the tiles of pruned slots and
+    those with an evaluated slot, and the ``[BLOCK_K, BLOCK_Q]`` tiles of ``Z`` and those the kernel evaluates
+    (with N:M only the kept slots of :func:`kept_slot_ranges`), summed over ``rows`` (``[n]`` int64) of ``model``."""
+    state = model.state
+    restorable = rs.restorable(state, model.w64, rows)
+    terms = rs.removal_terms(state, rows)
+    need = columns_to_scan(state, rows, terms, restorable, model.pivot_floor, model.m)
     out = {"rows": rows.numel(), "restorable": int(restorable.sum()), "evaluated": int(need.sum())}
-    for width in TILE_WIDTHS:
-        pad = -need.shape[1] % width
-        tiles = torch.nn.functional.pad(need, (0, pad)).view(need.shape[0], -1, width).any(dim=2)
-        out[f"tiles{width}"] = tiles.numel()
-        out[f"hit{width}"] = int(tiles.sum())
+    k_slots = state.z.shape[1]
+    for name, (block_k, block_q) in TILES.items():
+        pad = -need.shape[1] % block_q
+        tiles = torch.nn.functional.pad(need, (0, pad)).view(need.shape[0], -1, block_q).any(dim=2)
+        out[f"{name}_tiles"] = tiles.numel()
+        out[f"{name}_hit"] = int(tiles.sum())
+        if model.m:
+            args = (state.kept[rows], state.kept_ok[rows], state.pruned[rows], need, model.m, block_q)
+            k_lo, k_hi = kept_slot_ranges(*args)
+        else:
+            k_lo, k_hi = torch.zeros_like(tiles, dtype=torch.long), torch.full_like(tiles, k_slots, dtype=torch.long)
+        if name == "scan":  # the kernel's loop over [k_lo, k_hi) in steps of BLOCK_K
+            k_tiles = (k_hi - k_lo).clamp(min=0).add(block_k - 1).div(block_k, rounding_mode="floor")
+        else:  # the K tiles of the update that meet [k_lo, k_hi)
+            k_tiles = torch.where(k_hi > k_lo, (k_hi - 1).div(block_k, rounding_mode="floor") - k_lo // block_k + 1, 0)
+        out[f"{name}_pairs"] = tiles.numel() * -(-k_slots // block_k)
+        out[f"{name}_pairs_hit"] = int(torch.where(tiles, k_tiles, 0).sum())
     return out
 
 
@@ -87,14 +104,18 @@ def main() -> None:
             for kind in (name.rsplit(".", 1)[-1], "all layers"):
                 for key, value in counts.items():
                     kinds[(kind, when)][key] += value
-    print(f"{'layers':>12} {'when':>5} {'rows':>6} {'restorable/row':>14} {'evaluated/row':>13} {'tiles of 32':>11} "
-          f"{'tiles of 256':>12}")  # fmt: skip
+    shapes = {name: f"{block_k}x{block_q}" for name, (block_k, block_q) in TILES.items()}
+    columns = " ".join(f"{'slot tiles ' + shapes[name]:>16} {'Z tiles ' + shapes[name]:>14}" for name in TILES)
+    print(f"{'layers':>12} {'when':>5} {'rows':>6} {'restorable/row':>14} {'evaluated/row':>13} {columns}")
     for (kind, when), c in sorted(kinds.items(), key=lambda item: (item[0][0] == "all layers", item[0][1] == "after")):
         n = max(c["rows"], 1)
-        print(
-            f"{kind:>12} {when:>5} {int(c['rows']):>6} {c['restorable'] / n:>14.1f} {c['evaluated'] / n:>13.2f} "
-            f"{c['hit32'] / max(c['tiles32'], 1):>11.2%} {c['hit256'] / max(c['tiles256'], 1):>12.2%}"
+        shares = " ".join(
+            f"{c[name + '_hit'] / max(c[name + '_tiles'], 1):>16.2%} "
+            f"{c[name + '_pairs_hit'] / max(c[name + '_pairs'], 1):>14.2%}"
+            for name in TILES
         )
+        counts = f"{int(c['rows']):>6} {c['restorable'] / n:>14.1f} {c['evaluated'] / n:>13.2f}"
+        print(f"{kind:>12} {when:>5} {counts} {shares}")
 
 
 if __name__ == "__main__":

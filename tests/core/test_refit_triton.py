@@ -34,9 +34,12 @@ def _state(weight, gram, keep, damp=0.01):
     return state, lam
 
 
-@pytest.mark.parametrize(("nm", "sparsity"), [(None, 0.6), (None, 0.3), ((2, 4), None)])
+@pytest.mark.parametrize(("nm", "sparsity", "tile"), [(None, 0.6, None), (None, 0.3, None), ((2, 4), None, None),
+                                                     ((2, 4), None, (4, 8, 1))])  # fmt: skip
 @pytest.mark.parametrize("q_splits", [None, 1, 3])
-def test_scan_is_bit_identical_to_the_reference(nm, sparsity, q_splits):
+def test_scan_is_bit_identical_to_the_reference(nm, sparsity, tile, q_splits, monkeypatch):
+    if tile is not None:  # N:M: narrow tiles, each with its own range of kept slots
+        monkeypatch.setattr(refit_triton, "SCAN_TILE", tile)
     weight, gram, keep = _layer(7, 300, seed=3, nm=nm, sparsity=sparsity)
     state, lam = _state(weight, gram, keep)
     floor = rs.pivot_floor(gram, lam)
@@ -91,6 +94,28 @@ def test_the_scan_skips_slots_by_the_bound(nm, most):
     pair = state.kept_ok[4] & ((state.kept[4] // m == state.pruned[4, top] // m) if m else True)
     state.z[4, int(pair.to(torch.int8).argmax()), top] = float("inf")  # a NaN cost there: no threshold
     assert torch.equal(need()[4], rs.restorable(state, weight, rows)[4])
+
+
+def test_kept_slot_ranges_hold_exactly_the_kept_inputs_of_the_tiles_blocks():
+    weight, gram, keep = _layer(7, 300, seed=3, nm=(2, 4))
+    state, _ = _state(weight, gram, keep)
+    rows = torch.arange(7, device=DEVICE)
+    kept, kept_ok, pruned = state.kept[rows], state.kept_ok[rows], state.pruned[rows]
+    scanned = rs.restorable(state, weight, rows)
+    scanned[3, :40] = False  # tile 0 of row 3 scans nothing, tile 1 half of its slots
+    k_lo, k_hi = refit_triton.kept_slot_ranges(kept, kept_ok, pruned, scanned, 4, 32)
+    assert k_lo.shape == (7, 5)
+    for r in range(7):
+        for t in range(5):
+            blocks = (pruned[r, 32 * t : 32 * (t + 1)] // 4)[scanned[r, 32 * t : 32 * (t + 1)]]
+            pairs = kept_ok[r] & torch.isin(kept[r] // 4, blocks)  # kept slots a scanned slot's block holds
+            inside = torch.zeros_like(pairs)
+            inside[k_lo[r, t] : k_hi[r, t]] = True
+            assert torch.equal(pairs, inside), (r, t)  # exactly those, contiguous
+    assert k_lo[3, 0] >= k_hi[3, 0] and k_hi[3, 1] - k_lo[3, 1] < k_hi[2, 1] - k_lo[2, 1]
+    kept[5] = kept[5].flip(0)  # slots not sorted by block: every kept slot
+    k_lo, k_hi = refit_triton.kept_slot_ranges(kept, kept_ok, pruned, scanned, 4, 32)
+    assert (k_lo[5] == 0).all() and (k_hi[5] == kept.shape[1]).all() and (k_hi[4] - k_lo[4] <= 2 * 16).all()
 
 
 def test_updates_match_the_reference():
@@ -164,7 +189,14 @@ def test_cuda_engine_at_a_larger_width():
 
 
 @pytest.mark.parametrize(
-    ("nm", "rescan", "tile"), [(None, True, None), ((2, 4), True, None), (None, False, None), (None, True, (2, 32, 1))]
+    ("nm", "rescan", "tile"),
+    [
+        (None, True, None),
+        ((2, 4), True, None),
+        (None, False, None),
+        (None, True, (2, 32, 1)),
+        ((2, 4), True, (4, 8, 1)),  # N:M: narrow tiles, each with its own range of kept slots
+    ],
 )
 def test_swap_and_scan_is_bit_identical_to_the_reference(nm, rescan, tile, monkeypatch):
     if tile is not None:  # several pruned-slot tiles per program: the running minimum across tiles

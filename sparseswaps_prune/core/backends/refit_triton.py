@@ -104,6 +104,8 @@ def _scan_kernel(
     pruned_ok_ptr,
     floor_ptr,
     need_ptr,
+    k_lo_ptr,
+    k_hi_ptr,
     out_val_ptr,
     out_key_ptr,
     first_a_ptr,
@@ -117,6 +119,7 @@ def _scan_kernel(
     d,
     tiles_per_split,
     n_split,
+    n_tiles,
     M: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_Q: tl.constexpr,
@@ -124,7 +127,8 @@ def _scan_kernel(
 ):
     """Row ``i`` of the scan, pruned slots of split ``split``: the smallest cost and its smallest key (``M``: the
     N:M block size, 0 for none). A tile of pruned slots none of which ``need`` marks is not evaluated (nor read,
-    without an update). With ``UPDATE`` the program first applies a swap's two rank-one updates to its part of
+    without an update); with ``M``, only its pairs with kept slots ``[k_lo, k_hi)`` (:func:`kept_slot_ranges`,
+    ``[n, n_tiles]``) are. With ``UPDATE`` the program first applies a swap's two rank-one updates to its part of
     ``Z`` (:func:`_pair_update`'s rule, ``skip_k`` / ``skip_q`` the swap's kept row and pruned column) and scans the
     updated entries: ``Z`` is read and written once."""
     i = tl.program_id(0).to(tl.int64)
@@ -149,6 +153,12 @@ def _scan_kernel(
         floor = tl.load(floor_ptr + i * Q + q_idx, mask=q_in, other=0.0)
         q_ok = q_in & (tl.load(pruned_ok_ptr + i * Q + q_idx, mask=q_in, other=0) != 0)
         need = tl.max(tl.load(need_ptr + i * Q + q_idx, mask=q_in, other=0).to(tl.int32), axis=0) != 0
+        if M > 0:  # N:M: only the kept slots of the tile's blocks can pair with its pruned slots
+            k_lo = tl.load(k_lo_ptr + i * n_tiles + q0 // BLOCK_Q)
+            k_hi = tl.load(k_hi_ptr + i * n_tiles + q0 // BLOCK_Q)
+        else:
+            k_lo = 0
+            k_hi = K
         if UPDATE:
             first_b = tl.load(first_b_ptr + i * Q + q_idx, mask=q_in, other=0.0)
             second_b = tl.load(second_b_ptr + i * Q + q_idx, mask=q_in, other=0.0)
@@ -166,13 +176,13 @@ def _scan_kernel(
                 z = tl.where(first, z + first_a[:, None] * first_b[None, :], z)
                 z = z + second_a[:, None] * second_b[None, :]
                 tl.store(z_ptrs, z, mask=tile)
-                if need:
+                if need and k0 < k_hi and k0 + BLOCK_K > k_lo:
                     acc, acc_key = _fold_costs(
                         z, k_ok[:, None] & q_ok[None, :], ratio, h, remove, kept, resid, schur, pruned, floor,
                         acc, acc_key, d, M,
                     )  # fmt: skip
         elif need:
-            for k0 in range(0, K, BLOCK_K):
+            for k0 in range(k_lo, k_hi, BLOCK_K):
                 k_idx = k0 + tl.arange(0, BLOCK_K)
                 k_in, ratio, h, remove, kept, k_ok = _kept_terms(
                     i, k_idx, K, ratio_ptr, h_ptr, remove_ptr, kept_ptr, kept_ok_ptr
@@ -272,6 +282,8 @@ def _scan(
     block_k, block_q, num_warps = SCAN_TILE if update is None else SWAP_SCAN_TILE
     n_tiles = triton.cdiv(q_slots, block_q)
     n_split, tiles_per_split = tile_splits(n, n_tiles, dev, q_splits, programs_per_sm=SCAN_PROGRAMS_PER_SM)
+    # N:M: the kept slots each tile of pruned slots can pair with (without N:M never read: rows stands in)
+    k_lo, k_hi = kept_slot_ranges(kept, kept_ok, pruned, need, m, block_q) if m else (rows, rows)
     part_val = torch.empty(n, n_split, dtype=torch.float64, device=dev)
     part_key = torch.empty(n, n_split, dtype=torch.long, device=dev)
     # without an update its pointers are never read: any tensors of the right types stand in
@@ -290,6 +302,8 @@ def _scan(
         pruned_ok.to(torch.int8).contiguous(),
         pivot_floor[pruned].contiguous(),
         need.to(torch.int8).contiguous(),
+        k_lo.contiguous(),
+        k_hi.contiguous(),
         part_val,
         part_key,
         *terms,
@@ -298,6 +312,7 @@ def _scan(
         d,
         tiles_per_split,
         n_split,
+        n_tiles,
         M=m or 0,
         BLOCK_K=block_k,
         BLOCK_Q=block_q,
@@ -312,6 +327,40 @@ def _scan(
     slot_i = torch.where(found, ((kept == u[:, None]) & kept_ok).to(torch.int8).argmax(dim=1), 0)
     slot_j = torch.where(found, ((pruned == p[:, None]) & state.pruned_ok[rows]).to(torch.int8).argmax(dim=1), 0)
     return best, slot_i, slot_j
+
+
+def kept_slot_ranges(
+    kept: torch.Tensor, kept_ok: torch.Tensor, pruned: torch.Tensor, scanned: torch.Tensor, m: int, block_q: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """N:M: for every row and tile of ``block_q`` pruned slots, the kept slots ``[k_lo, k_hi)`` that hold the kept
+    inputs of the blocks of the tile's ``scanned`` slots: the only kept slots their pairs can use.
+
+    The state lists kept inputs ascending (:func:`refit_swaps.build_state`) and an N:M swap exchanges two inputs of
+    one block, so a row's kept slots stay sorted by block and the range is contiguous. A row whose slots are not
+    sorted by block gets every kept slot, ``[0, K)``. An empty range (``k_lo >= k_hi``) where no slot is scanned.
+
+    Args:
+        kept: ``[n, K]`` int64 kept inputs; kept_ok: ``[n, K]`` bool occupied; pruned: ``[n, Q]`` int64 pruned
+            inputs; scanned: ``[n, Q]`` bool slots to evaluate (none modified). m: the N:M block size.
+        block_q: pruned slots per tile.
+
+    Returns:
+        ``k_lo``, ``k_hi``: ``[n, ceil(Q / block_q)]`` int64. Cost: ``O(n (K + Q))``.
+    """
+    n, k_slots = kept.shape
+    big = torch.iinfo(torch.int32).max  # above every block; exact as pad's float fill value (int64's max is not)
+    kept_block = torch.where(kept_ok, kept // m, big)  # vacant slots last
+    pad = -pruned.shape[1] % block_q
+    pruned_block = pruned // m
+
+    def per_tile(fill: int) -> torch.Tensor:  # [n, Q] -> [n, tiles, block_q], unscanned slots and padding as fill
+        blocks = torch.nn.functional.pad(torch.where(scanned, pruned_block, fill), (0, pad), value=fill)
+        return blocks.view(n, -1, block_q)
+
+    k_lo = torch.searchsorted(kept_block, per_tile(big).amin(dim=2))
+    k_hi = torch.searchsorted(kept_block, per_tile(-1).amax(dim=2), right=True)
+    unsorted = (kept_block[:, 1:] < kept_block[:, :-1]).any(dim=1, keepdim=True)
+    return k_lo.masked_fill_(unsorted, 0), k_hi.masked_fill_(unsorted, k_slots)
 
 
 def columns_to_scan(
