@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -15,6 +16,7 @@ import torch
 from sparseswaps_prune.core.gram import GramAccumulator
 from sparseswaps_prune.core.refit import REFIT_DAMP
 from sparseswaps_prune.core.spec import DEFAULT_SPEC, DSnoTRefine, PruneSpec, SwapRefine, build_spec
+from sparseswaps_prune.core.warmstart import warmstart_mask
 from sparseswaps_prune.llm.block_tune import BLOCK_TUNE_EPOCHS, BLOCK_TUNE_LR, BLOCK_TUNE_SCHEDULE
 from sparseswaps_prune.llm.data import load_calibration
 from sparseswaps_prune.llm.layers import find_blocks
@@ -31,6 +33,37 @@ def pattern_options(pattern: str) -> dict[str, Any]:
         n, m = (int(v) for v in pattern.split(":"))
         return {"sparsity": None, "nm": (n, m)}
     return {"sparsity": float(pattern.rstrip("%")) / 100, "nm": None}
+
+
+def random_layer(
+    d_in: int, rows: int, pattern: str = "60%", seed: int = 0, dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A random correlated layer for the speed benchmarks: ``[rows, d_in]`` weights and the ``[d_in, d_in]`` Gram of
+    ``4 d_in`` correlated tokens (drawn in float32, then cast to ``dtype``), and the ``[rows, d_in]`` bool Wanda mask of
+    ``pattern`` (``"60%"``, ``"2:4"``) computed in ``dtype``. CPU tensors."""
+    gen = torch.Generator().manual_seed(seed)
+    mixing = torch.randn(d_in, d_in, generator=gen) / d_in**0.5 + torch.eye(d_in)
+    x = torch.randn(4 * d_in, d_in, generator=gen) @ mixing * torch.rand(d_in, generator=gen).add(0.1)
+    gram = (x.T @ x).to(dtype)
+    weight = torch.randn(rows, d_in, generator=gen).to(dtype)
+    return weight, gram, warmstart_mask(weight, "wanda", gram=gram, **pattern_options(pattern))
+
+
+def timed(fn: Callable[[], Any], repeat: int = 3) -> float:
+    """Mean seconds of ``fn()`` over ``repeat`` calls after one warm-up call (compilation), CUDA synchronised."""
+    fn()
+    cuda_sync()
+    start = time.perf_counter()
+    for _ in range(repeat):
+        fn()
+    cuda_sync()  # CUDA kernels run asynchronously
+    return (time.perf_counter() - start) / repeat
+
+
+def cuda_sync() -> None:
+    """Wait for the queued CUDA kernels (no-op without CUDA)."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def add_layer_run_args(parser: argparse.ArgumentParser, blocks: list[int]) -> None:

@@ -1,13 +1,14 @@
-"""Launch shapes of the Triton re-fit pair scan: seconds per row and the bytes of ``Z`` per second (all of ``Z``, though
-the scan skips the tiles :func:`refit_triton.columns_to_scan` leaves out, so a rate over the bandwidth is possible),
-and the time of an iteration with the fused swap and scan (``swap_and_scan``), for each tile ``(BLOCK_K, BLOCK_Q,
-num_warps)`` (set as ``refit_triton.SCAN_TILE`` and ``SWAP_SCAN_TILE``) and each count of programs aimed for per
-streaming multiprocessor (``refit_triton.SCAN_PROGRAMS_PER_SM``) given, on the layer of ``benchmarks/refit_swaps.py``
-(random correlated Gram, 60% Wanda mask). Every shape's scan is checked against the torch reference
-(``refit_swaps.scan_swaps``): ``same`` says its costs and slots are bit-identical. CUDA (``--device cpu`` only under
-``TRITON_INTERPRET=1``, to check the script at small widths).
+"""Launch shapes of the Triton re-fit pair scan: seconds per row and the bytes of ``Z`` per second (all of ``Z``,
+though the scan skips the tiles :func:`refit_triton.columns_to_scan` leaves out, so a rate over the bandwidth is
+possible), and the time of an iteration with the fused swap and scan (``swap_and_scan``), for each tile ``(BLOCK_K,
+BLOCK_Q, num_warps)`` (set as ``refit_triton.SCAN_TILE`` and ``SWAP_SCAN_TILE``) and each count of programs aimed
+for per streaming multiprocessor (``refit_triton.SCAN_PROGRAMS_PER_SM``) given, on ``common.random_layer``
+(random correlated Gram, Wanda mask of ``--pattern``, 60% by default or N:M). Every
+shape's scan is checked against the torch reference (``refit_swaps.scan_swaps``): ``same`` says its costs and slots
+are bit-identical. CUDA (``--device cpu`` only under ``TRITON_INTERPRET=1``, to check the script at small widths).
 
     python benchmarks/refit_scan_tiles.py [--widths 4096 14336] [--rows 64 8] [--tiles 4x256x4 ...] [--per-sm 4 16]
+                                          [--pattern 60%|2:4]
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import argparse
 import dataclasses
 
 import torch
-from refit_swaps import problem, timed
+from common import pattern_options, random_layer, timed
 
 from sparseswaps_prune.core import refit_swaps as rs
 from sparseswaps_prune.core.backends import refit_triton
@@ -25,39 +26,44 @@ from sparseswaps_prune.core.refit import damping
 DEFAULT_TILES = ["4x256x4", "2x512x4", "4x128x4", "8x64x4", "16x64x4", "32x64x8", "16x32x4", "8x128x8"]
 
 
-def swap_iterations(state: rs.RefitState, weight, gram, rows, floor, iters: int) -> float:
+def swap_iterations(state: rs.RefitState, weight, gram, rows, floor, m: int | None, iters: int) -> float:
     """Mean seconds of an iteration of the row scope on a copy of ``state`` (``refit_triton.swap_and_scan`` of the
-    rows whose best swap lowers the loss, scanning them in the same pass), after one warm-up iteration."""
+    rows whose best swap lowers the loss, scanning them in the same pass), after one warm-up iteration. ``m``: the
+    N:M block size or None."""
     state = rs.RefitState(*(t.clone() for t in dataclasses.astuple(state)))
-    best, slot_i, slot_j = refit_triton.scan_swaps(state, weight, rows, floor)
+    best, slot_i, slot_j = refit_triton.scan_swaps(state, weight, rows, floor, m)
 
     def iteration() -> None:
         accept = best < 0
         moved = rows[accept]
-        _, (dl, i, j) = refit_triton.swap_and_scan(state, weight, moved, slot_i[accept], slot_j[accept], gram, floor)
+        _, (dl, i, j) = refit_triton.swap_and_scan(state, weight, moved, slot_i[accept], slot_j[accept], gram, floor, m)
         best[accept], slot_i[accept], slot_j[accept] = dl, i, j
 
     return timed(iteration, iters)
 
 
-def sweep(d_in: int, n_rows: int, device: str, tiles: list[str], per_sm: list[int], repeat: int) -> tuple[int, list]:
+def sweep(
+    d_in: int, n_rows: int, device: str, tiles: list[str], per_sm: list[int], repeat: int, pattern: str = "60%"
+) -> tuple[int, list]:
     """``(bytes of Z, [(tile, programs per SM, scan seconds for all rows, same as the reference, swap-and-scan
     iteration seconds for all rows)])`` at one width (the tile set for both the scan and the fused swap and scan)."""
-    weight, gram, keep = problem(d_in, n_rows, device)
+    nm = pattern_options(pattern)["nm"]
+    m = nm[1] if nm else None
+    weight, gram, keep = (t.to(device) for t in random_layer(d_in, n_rows, pattern, dtype=torch.float64))
     k, q = int(keep.sum(1).max()), d_in - int(keep.sum(1).min())
     lam = damping(gram, 0.01)
     state = rs.build_state(weight, keep, gram, lam, k, q)
     floor = rs.pivot_floor(gram, lam)
     rows = torch.arange(n_rows, device=device)
-    reference = rs.scan_swaps(state, weight, rows, floor)
+    reference = rs.scan_swaps(state, weight, rows, floor, m)
     needed = refit_triton.columns_to_scan(
-        state, rows, rs.removal_terms(state, rows), rs.restorable(state, weight, rows), floor, None
+        state, rows, rs.removal_terms(state, rows), rs.restorable(state, weight, rows), floor, m
     )
     mean_needed = float(needed.sum(1).float().mean())
     print(f"{d_in:>5} {n_rows:>4} slots the scan evaluates (columns_to_scan): {mean_needed:.1f} of {q} per row")
 
     def scan() -> tuple[torch.Tensor, ...]:
-        return refit_triton.scan_swaps(state, weight, rows, floor)
+        return refit_triton.scan_swaps(state, weight, rows, floor, m)
 
     default = (refit_triton.SCAN_TILE, refit_triton.SWAP_SCAN_TILE, refit_triton.SCAN_PROGRAMS_PER_SM)
     out = []
@@ -67,7 +73,7 @@ def sweep(d_in: int, n_rows: int, device: str, tiles: list[str], per_sm: list[in
                 refit_triton.SCAN_TILE = refit_triton.SWAP_SCAN_TILE = tuple(int(x) for x in tile.split("x"))
                 refit_triton.SCAN_PROGRAMS_PER_SM = programs
                 same = all(torch.equal(a, b) for a, b in zip(scan(), reference, strict=True))
-                swaps = swap_iterations(state, weight, gram, rows, floor, repeat)
+                swaps = swap_iterations(state, weight, gram, rows, floor, m, repeat)
                 out.append((tile, programs, timed(scan, repeat), same, swaps))
     finally:
         refit_triton.SCAN_TILE, refit_triton.SWAP_SCAN_TILE, refit_triton.SCAN_PROGRAMS_PER_SM = default
@@ -82,20 +88,21 @@ def main() -> None:
     parser.add_argument("--per-sm", type=int, nargs="+", default=[4, 8, 16, 32], help="scan programs per SM")
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--pattern", default="60%", help="e.g. 60%% or 2:4")
     args = parser.parse_args()
     if len(args.rows) != len(args.widths):
         raise ValueError(f"--rows needs one count per width ({len(args.widths)}), got {len(args.rows)}")
     name = torch.cuda.get_device_name() if args.device == "cuda" else args.device
     print(
         f"device: {name}, torch {torch.__version__}, defaults: tile {refit_triton.SCAN_TILE}, "
-        f"{refit_triton.SCAN_PROGRAMS_PER_SM} programs per SM"
+        f"{refit_triton.SCAN_PROGRAMS_PER_SM} programs per SM; {args.pattern}"
     )
     print(
         f"{'d_in':>5} {'rows':>4} {'tile':>10} {'per SM':>6} {'scan s/row':>10} {'Z GB/s':>7} {'same':>4} "
         f"{'swap+scan it s/row':>18}"
     )
     for d_in, n_rows in zip(args.widths, args.rows, strict=True):
-        z_bytes, results = sweep(d_in, n_rows, args.device, args.tiles, args.per_sm, args.repeat)
+        z_bytes, results = sweep(d_in, n_rows, args.device, args.tiles, args.per_sm, args.repeat, args.pattern)
         for tile, programs, seconds, same, swaps in results:
             flag, rate = "yes" if same else "NO", z_bytes / seconds / 1e9
             print(

@@ -1,19 +1,20 @@
 """Re-fit-objective swap speed: state construction and one iteration per row batch, against the mask-only search.
 
-For each width d_in at 60% per-row sparsity (Wanda warmstart on a random correlated layer), prints per row and per
-re-fit engine (the torch reference and, on the CPU, the compiled numba engine, on CUDA the fused Triton kernels;
-``same``: the engine applied the reference's swaps in every timed iteration): the time to build the float64 re-fit
-state (Cholesky of G_SS + lambda I, H, v, r, s and Z = H G[S, P]: O(k^2 (d_in - k))) and of one re-fit iteration
-(the updates of the applied swaps, then the pair scan of the swapped rows), against a least-squares re-fit of the
-same mask (refit_weights) and one mask-only iteration (best_swaps on the default backend, then the float64 c
-update), plus the state's memory per row, and the floor of this design: the Cholesky factor ``L`` of ``G_SS + lambda
-I`` and the Schur complement ``s_p = G_pp + lambda - ||L^{-1} G[S, p]||^2`` of every pruned ``p`` (one triangular
-solve against all of ``G[S, P]``, ``k^2 (d_in - k)`` flops), which the pair scan's bound ``dF >= -r_p^2 / s_p``
-needs before it can skip any column; and the torch state build with ``H`` formed both ways
-(``build_state(triangular_inverse=...)``: ``torch.cholesky_inverse``, the CPU default, or the factor's triangular
-inverse and a product, the CUDA default). Figures go to BENCHMARKS.md only from a quiet machine.
+For each width d_in at ``--pattern`` (60% per row by default, or N:M; Wanda warmstart on a random correlated layer),
+prints per row and per re-fit engine (the torch reference and, on the CPU, the compiled numba engine, on CUDA the
+fused Triton kernels; ``same``: the engine applied the reference's swaps in every timed iteration): the time to
+build the float64 re-fit state (Cholesky of G_SS + lambda I, H, v, r, s and Z = H G[S, P]: O(k^2 (d_in - k))) and of
+one re-fit iteration (the updates of the applied swaps, then the pair scan of the swapped rows), against a
+least-squares re-fit of the same mask (refit_weights) and one mask-only iteration (best_swaps on the default
+backend, then the float64 c update), plus the state's memory per row, and the floor of this design: the Cholesky
+factor ``L`` of ``G_SS + lambda I`` and the Schur complement ``s_p = G_pp + lambda - ||L^{-1} G[S, p]||^2`` of every
+pruned ``p`` (one triangular solve against all of ``G[S, P]``, ``k^2 (d_in - k)`` flops), which the pair scan's
+bound ``dF >= -r_p^2 / s_p`` needs before it can skip any column; and the torch state build with ``H`` formed both
+ways (``build_state(triangular_inverse=...)``: ``torch.cholesky_inverse``, the CPU default, or the factor's
+triangular inverse and a product, the CUDA default). Figures go to BENCHMARKS.md only from a quiet machine.
 
     python benchmarks/refit_swaps.py [--device cpu] [--widths 576 1536 4096] [--rows 8] [--iters 8] [--threads N]
+                                     [--pattern 60%|2:4]
 """
 
 from __future__ import annotations
@@ -23,43 +24,16 @@ import platform
 import time
 
 import torch
+from common import cuda_sync, pattern_options, random_layer, timed
 
 from sparseswaps_prune.core.backends import best_swaps, resolve_backend, triton_available
 from sparseswaps_prune.core.losses import correlation
 from sparseswaps_prune.core.refine import Figures, RefitRows
 from sparseswaps_prune.core.refit import damping, factor_kept, refit_weights
 from sparseswaps_prune.core.refit_swaps import build_state, pruned_slots
-from sparseswaps_prune.core.warmstart import warmstart_mask
 
 # Timed runs (after one warm-up) of the builds, the least-squares re-fit and the floor.
 BUILD_REPEAT = 2
-
-
-def problem(d_in: int, rows: int, device: str, seed: int = 0):
-    """Random correlated layer (G from 4 * d_in tokens) with a 60% Wanda mask, float64 on ``device``."""
-    gen = torch.Generator().manual_seed(seed)
-    mixing = torch.randn(d_in, d_in, generator=gen) / d_in**0.5 + torch.eye(d_in)
-    x = torch.randn(4 * d_in, d_in, generator=gen) @ mixing * torch.rand(d_in, generator=gen).add(0.1)
-    gram = (x.T @ x).double()
-    weight = torch.randn(rows, d_in, generator=gen).double()
-    keep = warmstart_mask(weight, "wanda", sparsity=0.6, gram=gram)
-    return weight.to(device), gram.to(device), keep.to(device)
-
-
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def timed(fn, repeat: int = 3) -> float:
-    """Mean seconds of ``fn()`` after one warm-up call."""
-    fn()
-    _sync()
-    start = time.perf_counter()
-    for _ in range(repeat):
-        fn()
-    _sync()
-    return (time.perf_counter() - start) / repeat
 
 
 def schur_floor(weight: torch.Tensor, gram: torch.Tensor, keep: torch.Tensor, lam: float) -> torch.Tensor:
@@ -74,15 +48,17 @@ def schur_floor(weight: torch.Tensor, gram: torch.Tensor, keep: torch.Tensor, la
 
 
 def measure(
-    d_in: int, n_rows: int, device: str, damp: float, search: str, iters: int
+    d_in: int, n_rows: int, device: str, damp: float, search: str, iters: int, pattern: str = "60%"
 ) -> tuple[int, float, dict[str, tuple[float, float, bool]], float, float, float, tuple[float, float]]:
     """``(k, state MiB per row, {engine: (build s/row, iteration s/row, same masks as the torch engine)},
     least-squares re-fit s/row, mask-only iteration s/row, floor s/row, (torch build s/row with H by
     cholesky_inverse, by the triangular inverse))`` for one width. An iteration is the updates of the applied swaps
     plus the pair scan of the swapped rows (the Triton engine's in the updates' pass over ``Z``; a row whose best swap
     does not lower ``F`` keeps its figures, as in ``refine.iterate``), averaged over ``iters`` iterations after one
-    warm-up iteration (the compiled engine folds its pending terms every few moves)."""
-    weight, gram, keep = problem(d_in, n_rows, device)
+    warm-up iteration (the compiled engine folds its pending terms every few moves). ``pattern``: ``"60%"``,
+    ``"2:4"``, ... (``search`` must be ``"nm"`` for N:M)."""
+    nm = pattern_options(pattern)["nm"]
+    weight, gram, keep = (t.to(device) for t in random_layer(d_in, n_rows, pattern, dtype=torch.float64))
     k = int(keep.sum(1).max())
     q = d_in - k
     lam = damping(gram, damp)
@@ -97,7 +73,8 @@ def measure(
     for engine in engines:
 
         def build(engine: str = engine) -> RefitRows:
-            return RefitRows(weight, keep.clone(), gram, lam=lam, m=None, row_batch=n_rows, cross=False, engine=engine)
+            m = nm[1] if nm else None
+            return RefitRows(weight, keep.clone(), gram, lam=lam, m=m, row_batch=n_rows, cross=False, engine=engine)
 
         build_s = timed(build, repeat=BUILD_REPEAT)
         model = build()
@@ -112,11 +89,11 @@ def measure(
             fig.update(moved.cpu(), model.figures(moved, cross=False) if scanned is None else scanned)
 
         iteration()  # warm-up (compilation), not timed
-        _sync()
+        cuda_sync()
         start = time.perf_counter()  # the iterations only, not the build
         for _ in range(iters):
             iteration()
-        _sync()
+        cuda_sync()
         masks[engine] = model.keep
         same = torch.equal(model.keep, masks["torch"])
         figures[engine] = (build_s / n_rows, (time.perf_counter() - start) / iters / n_rows, same)
@@ -125,7 +102,7 @@ def measure(
     corr = correlation(weight, gram, keep)
 
     def mask_iteration() -> torch.Tensor:
-        u, p, _ = best_swaps(search, w32, keep, corr.float(), g32)
+        u, p, _ = best_swaps(search, w32, keep, corr.float(), g32, nm)
         u, p = u.to(weight.device), p.to(weight.device)
         return corr + weight.gather(1, u[:, None]) * gram[u] - weight.gather(1, p[:, None]) * gram[p]
 
@@ -143,22 +120,23 @@ def main() -> None:
     parser.add_argument("--damp", type=float, default=0.01)
     parser.add_argument("--iters", type=int, default=8, help="re-fit iterations averaged per engine")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    parser.add_argument("--pattern", default="60%", help="e.g. 60%% or 2:4")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     print(
         f"machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
-        f"torch {torch.__version__}, device {args.device}, {args.rows} rows per batch"
+        f"torch {torch.__version__}, device {args.device}, {args.rows} rows per batch, {args.pattern}"
     )
     print(
         f"{'d_in':>5} {'k':>5} {'state MiB/row':>13} {'engine':>6} {'build s/row':>11} {'refit it s/row':>14} "
         f"{'ls re-fit s/row':>15} {'mask it s/row':>13} {'floor s/row':>11} {'same':>4} {'H potri s/row':>13} "
         f"{'H trsm s/row':>12}"
     )
-    search = resolve_backend("auto", torch.device(args.device), None)
+    search = resolve_backend("auto", torch.device(args.device), pattern_options(args.pattern)["nm"])
     for d_in in args.widths:
         k, mib, figures, ls, mask_it, floor, (by_potri, by_trsm) = measure(
-            d_in, args.rows, args.device, args.damp, search, args.iters
+            d_in, args.rows, args.device, args.damp, search, args.iters, args.pattern
         )
         for engine, (build, refit_it, same) in figures.items():
             print(

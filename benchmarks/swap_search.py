@@ -14,15 +14,14 @@ from __future__ import annotations
 
 import argparse
 import platform
-import time
 
 import torch
+from common import random_layer, timed
 
 from sparseswaps_prune.core.backends import best_swaps
 from sparseswaps_prune.core.backends.terms import swap_terms
 from sparseswaps_prune.core.losses import correlation
 from sparseswaps_prune.core.refine import refine_mask
-from sparseswaps_prune.core.warmstart import warmstart_mask
 
 
 def naive_best_swaps(weight, keep, corr, gram):
@@ -34,32 +33,6 @@ def naive_best_swaps(weight, keep, corr, gram):
         flat = int(cost.argmin())
         out.append((flat // weight.shape[1], flat % weight.shape[1]))
     return out
-
-
-def problem(d_in: int, rows: int, sparsity: float | None, nm, seed: int = 0):
-    """Random correlated layer: G from 4 * d_in tokens, Wanda warmstart mask."""
-    gen = torch.Generator().manual_seed(seed)
-    mixing = torch.randn(d_in, d_in, generator=gen) / d_in**0.5 + torch.eye(d_in)
-    x = torch.randn(4 * d_in, d_in, generator=gen) @ mixing * torch.rand(d_in, generator=gen).add(0.1)
-    gram = x.T @ x
-    weight = torch.randn(rows, d_in, generator=gen)
-    keep = warmstart_mask(weight, "wanda", sparsity=sparsity, nm=nm, gram=gram)
-    return weight, keep, correlation(weight, gram, keep), gram
-
-
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def timed(fn, repeat: int) -> float:
-    fn()  # warm-up (and JIT compilation)
-    _sync()
-    start = time.perf_counter()
-    for _ in range(repeat):
-        fn()
-    _sync()  # CUDA kernels run asynchronously
-    return (time.perf_counter() - start) / repeat
 
 
 def matmul_gflops(device: str, n: int = 2048) -> float:
@@ -84,8 +57,9 @@ def main() -> None:
     print(header)
     backends = ["torch", "numba"] if args.device == "cpu" else ["torch", "triton"]
     for d_in in args.widths:
-        for label, sparsity, nm in (("60%", 0.6, None), ("2:4", None, (2, 4))):
-            weight, keep, corr, gram = (t.to(args.device) for t in problem(d_in, args.rows, sparsity, nm))
+        for label, nm in (("60%", None), ("2:4", (2, 4))):
+            weight, gram, keep = (t.to(args.device) for t in random_layer(d_in, args.rows, label))
+            corr = correlation(weight, gram, keep)
             sub = [t[: args.naive_rows] for t in (weight, keep, corr)]
             naive = timed(lambda sub=sub, gram=gram: naive_best_swaps(*sub, gram), 1) / args.naive_rows
             results = {"naive": naive}

@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from sparseswaps_prune.core import refit_swaps as rs
 
 
-def test_measure_times_both_engines(benchmark_script):
+@pytest.mark.parametrize(("pattern", "search", "kept"), [("60%", "torch", 10), ("2:4", "nm", 12)])
+def test_measure_times_both_engines(benchmark_script, pattern, search, kept):
     bench = benchmark_script("refit_swaps")
-    k, mib, figures, ls, mask_it, floor, builds = bench.measure(24, 3, "cpu", 0.01, "torch", iters=2)
-    assert k == 10  # 60% of 24 pruned per row (round(14.4) = 14)
+    k, mib, figures, ls, mask_it, floor, builds = bench.measure(24, 3, "cpu", 0.01, search, iters=2, pattern=pattern)
+    assert k == kept  # 60% of 24 pruned per row (round(14.4) = 14), or 2 of every 4 kept
     assert math.isclose(mib, (k * k + k * (24 - k)) * 8 / 2**20)
     assert set(figures) == {"torch", "numba"}
     assert all(build > 0 and it > 0 and same for build, it, same in figures.values())
@@ -23,7 +25,7 @@ def test_measure_times_both_engines(benchmark_script):
 def test_the_floor_computes_the_states_schur_complements(benchmark_script):
     """The floor times work the state needs: its s_p equal the engine's (same pruned order)."""
     bench = benchmark_script("refit_swaps")
-    weight, gram, keep = bench.problem(40, 4, "cpu")
+    weight, gram, keep = bench.random_layer(40, 4, dtype=torch.float64)
     keep[0, :3] = ~keep[0, :3]  # rows with different kept counts
     lam = 0.01 * float(torch.diagonal(gram).mean())
     counts = keep.sum(1)
