@@ -13,6 +13,7 @@ and ``H`` materialises its outer product before adding it. Here
   minimum and, on ties, the smallest input-index key ``u * d + p``, the reference's tie rule; it skips the tiles of
   pruned slots that cannot win or tie by the numba engine's bound ``dF(u, p) >= -r_p^2 / s_p`` against the costs
   of the row's columns of largest restore gain (:func:`columns_to_scan`; without an update they are not even read);
+  with N:M a tile of pruned slots evaluates only the kept slots of its blocks (:func:`kept_slot_ranges`);
 * :func:`add_outer` adds ``a b^T`` to the rows' ``Z`` or ``H`` in one read and write (``t + a * b``, again without
   fused multiply-add, so bit-identical to the reference's ``index_add_`` of the materialised product);
 * :func:`swap_and_scan` applies a swap (the removal's and the restore's rank-one updates) with one read and write of
