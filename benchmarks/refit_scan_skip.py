@@ -10,7 +10,10 @@ the rows counted, the mean restorable and evaluated slots per row and, for the t
 the scan fused with an update (``SCAN_TILE`` and ``SWAP_SCAN_TILE``), the share of the tiles of pruned slots that
 hold an evaluated slot and the share of the ``[BLOCK_K, BLOCK_Q]`` tiles of ``Z`` whose pair costs the kernel
 evaluates (the same share without N:M; with N:M only the kept slots of the tile's blocks, ``kept_slot_ranges``):
-the share of the pair arithmetic the kernel still does. CPU (the torch state; no kernel runs).
+the share of the pair arithmetic the kernel still does. Also the mean restorable slots per row whose bound does not
+exceed the row's best swap, with the row's ``s_p`` (``s_p bound``: what the numba engine visits) and with the
+layer-wide ``sigma_p <= s_p`` of :func:`shared_schur_bound` (``shared bound``: what a state without every row's
+``s_p`` would have to visit). CPU (the torch state; no kernel runs).
 
     python benchmarks/refit_scan_skip.py [--blocks 0 15 29] [--pattern 60%] [--iters 10] [--nsamples 16]
 """
@@ -36,15 +39,32 @@ from sparseswaps_prune.core.warmstart import warmstart_mask
 TILES = {"scan": SCAN_TILE[:2], "fused": SWAP_SCAN_TILE[:2]}
 
 
-def skip_counts(model: RefitRows, rows: torch.Tensor) -> dict[str, float]:
+def shared_schur_bound(gram64: torch.Tensor, lam: float) -> torch.Tensor:
+    """``[d]`` float64 ``sigma_p = 1 / [(G + lambda I)^-1]_pp``: the Schur complement of input ``p`` against every
+    other input. A larger kept set leaves a smaller residual, so ``sigma_p <= s_p`` for every row's kept set, and
+    ``dF(u, p) >= -r_p^2 / sigma_p`` is a looser bound that one ``[d, d]`` inverse per layer gives, shared by all
+    rows (no row's ``s_p`` needed)."""
+    eye = torch.eye(gram64.shape[0], dtype=torch.float64)
+    return 1.0 / torch.cholesky_inverse(torch.linalg.cholesky(gram64 + lam * eye)).diagonal()
+
+
+def skip_counts(model: RefitRows, rows: torch.Tensor, shared: torch.Tensor) -> dict[str, float]:
     """Rows, restorable slots, evaluated slots and, per tile shape of :data:`TILES`, the tiles of pruned slots and
     those with an evaluated slot, and the ``[BLOCK_K, BLOCK_Q]`` tiles of ``Z`` and those the kernel evaluates
-    (with N:M only the kept slots of :func:`kept_slot_ranges`), summed over ``rows`` (``[n]`` int64) of ``model``."""
+    (with N:M only the kept slots of :func:`kept_slot_ranges`), summed over ``rows`` (``[n]`` int64) of ``model``;
+    and the restorable slots whose bound ``-r_p^2 / shared_p`` (``shared``: :func:`shared_schur_bound`) does not
+    exceed the row's best swap (``"shared"``: the columns a scan would visit with that bound), against those whose
+    bound ``-r_p^2 / s_p`` does not (``"exact"``: the numba engine's visits)."""
     state = model.state
     restorable = rs.restorable(state, model.w64, rows)
     terms = rs.removal_terms(state, rows)
     need = columns_to_scan(state, rows, terms, restorable, model.pivot_floor, model.m)
-    out = {"rows": rows.numel(), "restorable": int(restorable.sum()), "evaluated": int(need.sum())}
+    best = rs.scan_swaps(state, model.w64, rows, model.pivot_floor, model.m)[0]
+    gain = state.resid[rows].square()
+    exact, loose = -gain / state.schur[rows], -gain / shared[state.pruned[rows]]
+    out = {"rows": rows.numel(), "restorable": int(restorable.sum()), "evaluated": int(need.sum()),
+           "exact": int((restorable & (exact <= best[:, None])).sum()),
+           "shared": int((restorable & (loose <= best[:, None])).sum())}  # fmt: skip
     k_slots = state.z.shape[1]
     for name, (block_k, block_q) in TILES.items():
         pad = -need.shape[1] % block_q
@@ -72,6 +92,7 @@ def measure(weight: torch.Tensor, gram: torch.Tensor, pattern: str, iters: int, 
     w64, gram64 = weight.double(), gram.double()
     keep = warmstart_mask(weight, "wanda", sparsity=options["sparsity"], nm=nm, gram=gram64)
     lam = damping(gram64, damp)
+    shared = shared_schur_bound(gram64, lam)
     out: dict[str, dict] = {"start": defaultdict(float), "after": defaultdict(float)}
     batch = _default_row_batch(keep, True, spare=0, device=torch.device("cpu"))
     for r0 in range(0, keep.shape[0], batch):
@@ -79,12 +100,12 @@ def measure(weight: torch.Tensor, gram: torch.Tensor, pattern: str, iters: int, 
         model = RefitRows(w64[sub], keep[sub].clone(), gram64, lam=lam, m=nm[1] if nm else None, row_batch=batch,
                           cross=False, engine="torch")  # fmt: skip
         rows = torch.arange(model.keep.shape[0])
-        for key, value in skip_counts(model, rows).items():
+        for key, value in skip_counts(model, rows, shared).items():
             out["start"][key] += value
         refine.iterate(model, RowPlanner(model.rounding.cpu()), max_iters=iters, resync_every=SwapRefine().resync_every)
         # the rows whose best swap still lowers the loss past the floor: those the loop would go on scanning
         working = rows[model.figures(rows, cross=False).swap_dl < -model.rounding.cpu()]
-        for key, value in skip_counts(model, working).items():
+        for key, value in skip_counts(model, working, shared).items():
             out["after"][key] += value
     return out
 
@@ -106,7 +127,8 @@ def main() -> None:
                     kinds[(kind, when)][key] += value
     shapes = {name: f"{block_k}x{block_q}" for name, (block_k, block_q) in TILES.items()}
     columns = " ".join(f"{'slot tiles ' + shapes[name]:>16} {'Z tiles ' + shapes[name]:>14}" for name in TILES)
-    print(f"{'layers':>12} {'when':>5} {'rows':>6} {'restorable/row':>14} {'evaluated/row':>13} {columns}")
+    print(f"{'layers':>12} {'when':>5} {'rows':>6} {'restorable/row':>14} {'evaluated/row':>13} {'s_p bound':>9} "
+          f"{'shared bound':>12} {columns}")  # fmt: skip
     for (kind, when), c in sorted(kinds.items(), key=lambda item: (item[0][0] == "all layers", item[0][1] == "after")):
         n = max(c["rows"], 1)
         shares = " ".join(
@@ -114,7 +136,8 @@ def main() -> None:
             f"{c[name + '_pairs_hit'] / max(c[name + '_pairs'], 1):>14.2%}"
             for name in TILES
         )
-        counts = f"{int(c['rows']):>6} {c['restorable'] / n:>14.1f} {c['evaluated'] / n:>13.2f}"
+        counts = (f"{int(c['rows']):>6} {c['restorable'] / n:>14.1f} {c['evaluated'] / n:>13.2f} "
+                  f"{c['exact'] / n:>9.2f} {c['shared'] / n:>12.2f}")  # fmt: skip
         print(f"{kind:>12} {when:>5} {counts} {shares}")
 
 
