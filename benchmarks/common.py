@@ -13,8 +13,9 @@ from typing import Any
 
 import torch
 
+from sparseswaps_prune.core import refit_swaps as rs
 from sparseswaps_prune.core.gram import GramAccumulator
-from sparseswaps_prune.core.refit import REFIT_DAMP
+from sparseswaps_prune.core.refit import REFIT_DAMP, factor_kept
 from sparseswaps_prune.core.spec import DEFAULT_SPEC, DSnoTRefine, PruneSpec, SwapRefine, build_spec
 from sparseswaps_prune.core.warmstart import warmstart_mask
 from sparseswaps_prune.llm.block_tune import BLOCK_TUNE_EPOCHS, BLOCK_TUNE_LR, BLOCK_TUNE_SCHEDULE
@@ -64,6 +65,55 @@ def cuda_sync() -> None:
     """Wait for the queued CUDA kernels (no-op without CUDA)."""
     if torch.cuda.is_available():
         torch.cuda.synchronize()
+
+
+def shared_schur_bound(gram64: torch.Tensor, lam: float) -> torch.Tensor:
+    """``[d]`` float64 ``sigma_p = 1 / [(G + lambda I)^-1]_pp``: the Schur complement of input ``p`` against every
+    other input. A larger kept set leaves a smaller residual, so ``sigma_p <= s_p`` for every row's kept set, and
+    ``dF(u, p) >= -r_p^2 / sigma_p`` is a looser bound that one ``[d, d]`` inverse per layer gives, shared by all
+    rows (no row's ``s_p`` needed)."""
+    eye = torch.eye(gram64.shape[0], dtype=torch.float64)
+    return 1.0 / torch.cholesky_inverse(torch.linalg.cholesky(gram64 + lam * eye)).diagonal()
+
+
+def shared_bound_visits(
+    state: Any, w64: torch.Tensor, rows: torch.Tensor, best: torch.Tensor, shared: torch.Tensor
+) -> torch.Tensor:
+    """``[n]`` int64: per row of ``rows`` the restorable pruned slots whose bound ``-r_p^2 / sigma_p`` (``shared``)
+    does not exceed the row's best swap ``best`` (``[n]`` float64): the columns a scan in ascending order of that
+    bound visits before it may stop. ``state``: a re-fit state (``refit_swaps.RefitState`` or the numba engine's),
+    ``w64`` its ``[R, d]`` weights."""
+    restorable = rs.restorable(state, w64, rows)
+    loose = -state.resid[rows].square() / shared[state.pruned[rows]]
+    return (restorable & (loose <= best[:, None])).sum(dim=1)
+
+
+def lazy_build(
+    w64: torch.Tensor, keep: torch.Tensor, gram64: torch.Tensor, lam: float, shared: torch.Tensor, columns: int
+) -> tuple[torch.Tensor, ...]:
+    """What a re-fit state without every row's ``s_p`` must compute before its first scan (the floor of that design,
+    against :func:`refit_swaps.build_state`): the Cholesky factor ``L`` of every row's ``G_SS + lambda I``,
+    ``L^-1``, ``H``'s diagonal, ``v = H b_S``, the residuals ``r = b - G v`` of every input (one product with the
+    Gram), and for the ``columns`` restorable inputs of smallest ``-r_p^2 / sigma_p`` (``shared``) their ``s_p`` and
+    ``Z`` columns. ``w64``, ``keep``: ``[R, d]``; nothing is modified.
+
+    Returns:
+        ``H_uu`` and ``v`` ``[R, K]`` (slots of :func:`refit.factor_kept`), ``r`` ``[R, d]`` (meaningful at pruned
+        inputs), the chosen inputs ``[R, c]`` int64, their ``s_p`` ``[R, c]`` and ``Z`` columns ``[R, K, c]``.
+    """
+    kept, kept_ok, factor = factor_kept(gram64, keep, lam, int(keep.sum(dim=1).max()))
+    eye = torch.eye(factor.shape[1], dtype=torch.float64).expand_as(factor)
+    half = torch.linalg.solve_triangular(factor, eye, upper=False).mul_(kept_ok[:, None, :])  # L^-1, spare slots 0
+    hdiag = half.square().sum(dim=1)  # H = L^-T L^-1
+    target = w64 @ gram64
+    coef = (half.mT @ (half @ torch.where(kept_ok, target.gather(1, kept), 0.0)[:, :, None])).squeeze(2)
+    resid = target - torch.zeros_like(w64).scatter_(1, kept, torch.where(kept_ok, coef, 0.0)) @ gram64
+    loose = torch.where(~keep & (w64 != 0), -resid.square() / shared, float("inf"))
+    inputs = loose.topk(columns, dim=1, largest=False).indices
+    cross = gram64[kept[:, :, None], inputs[:, None, :]] * kept_ok[:, :, None]
+    half_cross = half @ cross  # L^-1 G[S, p]
+    schur = torch.diagonal(gram64)[inputs] + lam - half_cross.square().sum(dim=1)
+    return hdiag, coef, resid, inputs, schur, half.mT @ half_cross
 
 
 def add_layer_run_args(parser: argparse.ArgumentParser, blocks: list[int]) -> None:

@@ -11,7 +11,9 @@ and of a least-squares re-fit of the Wanda mask (``refit_weights``), with the ra
 (re-fit iteration / mask-only iteration; state build / least-squares re-fit). The iterations are the library's
 loop (:func:`~sparseswaps_prune.core.refine.iterate` with the row scope's planner and its rounding floor, as
 ``refine_mask`` runs them): a row whose best swap no longer lowers its loss retires, and only moved rows are
-scanned again.
+scanned again. Also the floor of a state without every row's ``s_p`` (``lazy s``, ``lazy/ls``; the layer-wide bound
+``sigma_p <= s_p`` instead, ``common.lazy_build``) and the columns per row its first scan would visit
+(``visits/row``).
 
     python benchmarks/refit_model_iteration.py [--blocks 0 1 ...] [--pattern 60%] [--iters 10] [--nsamples 16]
 """
@@ -24,7 +26,14 @@ import time
 from collections import defaultdict
 
 import torch
-from common import add_layer_run_args, capture_grams, pattern_options
+from common import (
+    add_layer_run_args,
+    capture_grams,
+    lazy_build,
+    pattern_options,
+    shared_bound_visits,
+    shared_schur_bound,
+)
 
 from sparseswaps_prune.core import refine
 from sparseswaps_prune.core.backends import resolve_backend
@@ -45,13 +54,18 @@ def iterate(model: MaskRows | RefitRows, iters: int) -> float:
 
 def measure(weight: torch.Tensor, gram: torch.Tensor, pattern: str, iters: int, damp: float) -> dict[str, float]:
     """Seconds of one layer: re-fit state build, ``iters`` re-fit iterations, ``iters`` mask-only iterations and a
-    least-squares re-fit, over its default row batches."""
+    least-squares re-fit, over its default row batches; and the floor of a state without every row's ``s_p``
+    (``lazy``: ``common.shared_schur_bound`` once, then ``common.lazy_build`` of each row batch with as many columns
+    as its row that visits the most, ``visits`` summed over rows: ``common.shared_bound_visits`` at the start)."""
     options = pattern_options(pattern)
     nm = options["nm"]
     w64, gram64 = weight.double(), gram.double()
     keep = warmstart_mask(weight, "wanda", sparsity=options["sparsity"], nm=nm, gram=gram64)
     lam = damping(gram64, damp)
     out = defaultdict(float)
+    started = time.perf_counter()
+    shared = shared_schur_bound(gram64, lam)
+    out["lazy"] = time.perf_counter() - started
     batch = _default_row_batch(keep, True, spare=0, device=CPU)
     for r0 in range(0, keep.shape[0], batch):
         sub = slice(r0, r0 + batch)
@@ -59,6 +73,13 @@ def measure(weight: torch.Tensor, gram: torch.Tensor, pattern: str, iters: int, 
         model = RefitRows(w64[sub], keep[sub].clone(), gram64, lam=lam, m=nm[1] if nm else None, row_batch=batch,
                           cross=False, engine="numba")  # fmt: skip
         out["build"] += time.perf_counter() - started
+        rows = torch.arange(model.keep.shape[0])
+        best = model.figures(rows, cross=False).swap_dl
+        visits = shared_bound_visits(model.state, w64[sub], rows, best, shared)
+        out["visits"] += float(visits.sum())
+        started = time.perf_counter()
+        lazy_build(w64[sub], keep[sub], gram64, lam, shared, int(visits.max()))
+        out["lazy"] += time.perf_counter() - started
         out["refit"] += iterate(model, iters)
         del model
     search = resolve_backend("auto", CPU, nm)
@@ -88,13 +109,16 @@ def main() -> None:
         figures = measure(weight, grams[name]["small"].gram, args.pattern, args.iters, args.damp)
         for key, value in figures.items():
             kinds[name.rsplit(".", 1)[-1]][key] += value
-    kinds["all layers"] = {key: sum(s[key] for s in kinds.values()) for key in ("build", "ls", "refit", "mask")}
+        kinds[name.rsplit(".", 1)[-1]]["rows"] += weight.shape[0]
+    keys = ("build", "ls", "refit", "mask", "lazy", "visits", "rows")
+    kinds["all layers"] = {key: sum(s[key] for s in kinds.values()) for key in keys}
     print(f"{'layers':>12} {'build s':>9} {'ls re-fit s':>11} {'build/ls':>8} {'refit its s':>11} "
-          f"{'mask its s':>10} {'refit/mask':>10}")  # fmt: skip
+          f"{'mask its s':>10} {'refit/mask':>10} {'lazy s':>8} {'lazy/ls':>7} {'visits/row':>10}")  # fmt: skip
     for kind, s in kinds.items():
         print(
             f"{kind:>12} {s['build']:>9.2f} {s['ls']:>11.2f} {s['build'] / s['ls']:>8.2f} {s['refit']:>11.2f} "
-            f"{s['mask']:>10.2f} {s['refit'] / s['mask']:>10.2f}"
+            f"{s['mask']:>10.2f} {s['refit'] / s['mask']:>10.2f} {s['lazy']:>8.2f} {s['lazy'] / s['ls']:>7.2f} "
+            f"{s['visits'] / s['rows']:>10.1f}"
         )
 
 

@@ -12,7 +12,7 @@ hold an evaluated slot and the share of the ``[BLOCK_K, BLOCK_Q]`` tiles of ``Z`
 evaluates (the same share without N:M; with N:M only the kept slots of the tile's blocks, ``kept_slot_ranges``):
 the share of the pair arithmetic the kernel still does. Also the mean restorable slots per row whose bound does not
 exceed the row's best swap, with the row's ``s_p`` (``s_p bound``: what the numba engine visits) and with the
-layer-wide ``sigma_p <= s_p`` of :func:`shared_schur_bound` (``shared bound``: what a state without every row's
+layer-wide ``sigma_p <= s_p`` of ``common.shared_schur_bound`` (``shared bound``: what a state without every row's
 ``s_p`` would have to visit). CPU (the torch state; no kernel runs).
 
     python benchmarks/refit_scan_skip.py [--blocks 0 15 29] [--pattern 60%] [--iters 10] [--nsamples 16]
@@ -25,7 +25,7 @@ import platform
 from collections import defaultdict
 
 import torch
-from common import add_layer_run_args, capture_grams, pattern_options
+from common import add_layer_run_args, capture_grams, pattern_options, shared_bound_visits, shared_schur_bound
 
 from sparseswaps_prune.core import refine
 from sparseswaps_prune.core import refit_swaps as rs
@@ -39,20 +39,11 @@ from sparseswaps_prune.core.warmstart import warmstart_mask
 TILES = {"scan": SCAN_TILE[:2], "fused": SWAP_SCAN_TILE[:2]}
 
 
-def shared_schur_bound(gram64: torch.Tensor, lam: float) -> torch.Tensor:
-    """``[d]`` float64 ``sigma_p = 1 / [(G + lambda I)^-1]_pp``: the Schur complement of input ``p`` against every
-    other input. A larger kept set leaves a smaller residual, so ``sigma_p <= s_p`` for every row's kept set, and
-    ``dF(u, p) >= -r_p^2 / sigma_p`` is a looser bound that one ``[d, d]`` inverse per layer gives, shared by all
-    rows (no row's ``s_p`` needed)."""
-    eye = torch.eye(gram64.shape[0], dtype=torch.float64)
-    return 1.0 / torch.cholesky_inverse(torch.linalg.cholesky(gram64 + lam * eye)).diagonal()
-
-
 def skip_counts(model: RefitRows, rows: torch.Tensor, shared: torch.Tensor) -> dict[str, float]:
     """Rows, restorable slots, evaluated slots and, per tile shape of :data:`TILES`, the tiles of pruned slots and
     those with an evaluated slot, and the ``[BLOCK_K, BLOCK_Q]`` tiles of ``Z`` and those the kernel evaluates
     (with N:M only the kept slots of :func:`kept_slot_ranges`), summed over ``rows`` (``[n]`` int64) of ``model``;
-    and the restorable slots whose bound ``-r_p^2 / shared_p`` (``shared``: :func:`shared_schur_bound`) does not
+    and the restorable slots whose bound ``-r_p^2 / shared_p`` (``shared``: ``common.shared_schur_bound``) does not
     exceed the row's best swap (``"shared"``: the columns a scan would visit with that bound), against those whose
     bound ``-r_p^2 / s_p`` does not (``"exact"``: the numba engine's visits)."""
     state = model.state
@@ -60,11 +51,10 @@ def skip_counts(model: RefitRows, rows: torch.Tensor, shared: torch.Tensor) -> d
     terms = rs.removal_terms(state, rows)
     need = columns_to_scan(state, rows, terms, restorable, model.pivot_floor, model.m)
     best = rs.scan_swaps(state, model.w64, rows, model.pivot_floor, model.m)[0]
-    gain = state.resid[rows].square()
-    exact, loose = -gain / state.schur[rows], -gain / shared[state.pruned[rows]]
+    exact = -state.resid[rows].square() / state.schur[rows]
     out = {"rows": rows.numel(), "restorable": int(restorable.sum()), "evaluated": int(need.sum()),
            "exact": int((restorable & (exact <= best[:, None])).sum()),
-           "shared": int((restorable & (loose <= best[:, None])).sum())}  # fmt: skip
+           "shared": int(shared_bound_visits(state, model.w64, rows, best, shared).sum())}  # fmt: skip
     k_slots = state.z.shape[1]
     for name, (block_k, block_q) in TILES.items():
         pad = -need.shape[1] % block_q

@@ -24,7 +24,8 @@ def test_measure_times_every_stage_over_row_batches(benchmark_script, monkeypatc
 
     monkeypatch.setattr(bench.RefitRows, "__init__", spy)
     figures = bench.measure(weight, x.T @ x, pattern, iters=2, damp=0.01)
-    assert set(figures) == {"build", "refit", "mask", "ls"}
-    assert all(seconds > 0 for seconds in figures.values())
+    assert set(figures) == {"build", "refit", "mask", "ls", "lazy", "visits"}
+    assert all(seconds > 0 for key, seconds in figures.items() if key != "visits")
+    assert 10 <= figures["visits"] <= 10 * 16  # at least one column per row (the winner's), at most all
     if pattern == "60%":
         assert built == [3, 3, 3, 1]
