@@ -3,11 +3,13 @@
 # and this checkout on PYTHONPATH. Each step is bounded by `timeout` so that one slow step leaves the others' output.
 #   bash benchmarks/gpu_figures.sh [OUTDIR] [STAGE]      # STAGE: short (default: all), pipeline, refit (the re-fit
 #   objective's engines at 2 to 256 rows per batch), tiles (the Triton pair scan's tile shapes), default (2 blocks
-#   of 8B with the default), or full (all 32 blocks of 8B with the default)
+#   of 8B with the default), or full (all 32 blocks of 8B with the default); several stages comma-separated
+#   (e.g. tiles,refit) run one after the other in one call (one machine start)
 set -u -o pipefail
-out=${1:-gpu_out}; stage=${2:-short}; mkdir -p "$out"
+out=${1:-gpu_out}; stages=${2:-short}; mkdir -p "$out"
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1
 step() { local secs=$1; shift; echo "### $(date -u +%T) $*"; timeout "$secs" "$@"; echo "### rc=$?"; }
+for stage in ${stages//,/ }; do
 if [ "$stage" = short ]; then
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"
@@ -17,7 +19,8 @@ if [ "$stage" = short ]; then
   # larger row batches: the torch engine's launches are shared by more rows (not measured yet)
   step 150 python3 benchmarks/refit_swaps.py --device cuda --widths 576 1536 4096 --rows 64
 fi
-if [ "$stage" = refit ]; then  # the re-fit objective's engines (torch, triton) at 2 to 256 rows per batch: ~4 min on an H200
+# the re-fit objective's engines (torch, triton) at 2 to 256 rows per batch: ~4 min on an H200, then 2:4 (<= 100 s)
+if [ "$stage" = refit ]; then
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   python3 -c "import torch, triton; print(torch.__version__, triton.__version__)"
   step 90 python3 -m pytest -q -p no:cacheprovider tests/core/test_refit_triton.py tests/core/test_triton.py
@@ -28,7 +31,8 @@ if [ "$stage" = refit ]; then  # the re-fit objective's engines (torch, triton) 
   # 2:4: the scan evaluates only the kept slots of each tile's blocks (refit_triton.kept_slot_ranges)
   step 100 python3 benchmarks/refit_swaps.py --device cuda --widths 576 1536 4096 --rows 16 --pattern 2:4
 fi
-if [ "$stage" = tiles ]; then  # the Triton pair scan's tile shapes and programs per SM: ~2 min on an H200
+# the Triton pair scan's tile shapes and programs per SM: ~1 min on an H200, then 2:4 (<= 100 s)
+if [ "$stage" = tiles ]; then
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   step 150 python3 benchmarks/refit_scan_tiles.py
   step 100 python3 benchmarks/refit_scan_tiles.py --pattern 2:4 --tiles 4x256x4 4x64x4 16x32x4 --per-sm 4
@@ -45,3 +49,4 @@ elif [ "$stage" = full ]; then  # the default (T=10, 10 tuning epochs): about 28
   step 3600 python3 benchmarks/llm_pipeline.py --model llama-3.1-8b --iters 10 --block-tune-epochs 10 --device cuda \
     --json "$out/llm_pipeline_8b_full.json"
 fi
+done
