@@ -76,16 +76,16 @@ def shared_schur_bound(gram64: torch.Tensor, lam: float) -> torch.Tensor:
     return 1.0 / torch.cholesky_inverse(torch.linalg.cholesky(gram64 + lam * eye)).diagonal()
 
 
-def shared_bound_visits(
-    state: Any, w64: torch.Tensor, rows: torch.Tensor, best: torch.Tensor, shared: torch.Tensor
+def bound_visits(
+    state: Any, w64: torch.Tensor, rows: torch.Tensor, best: torch.Tensor, schur: torch.Tensor
 ) -> torch.Tensor:
-    """``[n]`` int64: per row of ``rows`` the restorable pruned slots whose bound ``-r_p^2 / sigma_p`` (``shared``)
-    does not exceed the row's best swap ``best`` (``[n]`` float64): the columns a scan in ascending order of that
-    bound visits before it may stop. ``state``: a re-fit state (``refit_swaps.RefitState`` or the numba engine's),
-    ``w64`` its ``[R, d]`` weights."""
+    """``[n]`` int64: per row of ``rows`` the restorable pruned slots whose bound ``-r_p^2 / schur_p`` does not exceed
+    the row's best swap ``best`` (``[n]`` float64): the columns a scan in ascending order of that bound visits before
+    it may stop. ``schur``: ``[n, Q]`` per pruned slot, the state's ``s_p`` (the numba engine's bound) or a lower
+    bound of it (e.g. :func:`shared_schur_bound` at the slots' inputs). ``state``: a re-fit state
+    (``refit_swaps.RefitState`` or the numba engine's), ``w64`` its ``[R, d]`` weights."""
     restorable = rs.restorable(state, w64, rows)
-    loose = -state.resid[rows].square() / shared[state.pruned[rows]]
-    return (restorable & (loose <= best[:, None])).sum(dim=1)
+    return (restorable & (-state.resid[rows].square() / schur <= best[:, None])).sum(dim=1)
 
 
 def lazy_build(

@@ -28,10 +28,10 @@ from collections import defaultdict
 import torch
 from common import (
     add_layer_run_args,
+    bound_visits,
     capture_grams,
     lazy_build,
     pattern_options,
-    shared_bound_visits,
     shared_schur_bound,
 )
 
@@ -56,7 +56,7 @@ def measure(weight: torch.Tensor, gram: torch.Tensor, pattern: str, iters: int, 
     """Seconds of one layer: re-fit state build, ``iters`` re-fit iterations, ``iters`` mask-only iterations and a
     least-squares re-fit, over its default row batches; and the floor of a state without every row's ``s_p``
     (``lazy``: ``common.shared_schur_bound`` once, then ``common.lazy_build`` of each row batch with as many columns
-    as its row that visits the most, ``visits`` summed over rows: ``common.shared_bound_visits`` at the start)."""
+    as its row that visits the most, ``visits`` summed over rows: ``common.bound_visits`` with it at the start)."""
     options = pattern_options(pattern)
     nm = options["nm"]
     w64, gram64 = weight.double(), gram.double()
@@ -75,7 +75,7 @@ def measure(weight: torch.Tensor, gram: torch.Tensor, pattern: str, iters: int, 
         out["build"] += time.perf_counter() - started
         rows = torch.arange(model.keep.shape[0])
         best = model.figures(rows, cross=False).swap_dl
-        visits = shared_bound_visits(model.state, w64[sub], rows, best, shared)
+        visits = bound_visits(model.state, w64[sub], rows, best, shared[model.state.pruned[rows]])
         out["visits"] += float(visits.sum())
         started = time.perf_counter()
         lazy_build(w64[sub], keep[sub], gram64, lam, shared, int(visits.max()))

@@ -25,7 +25,7 @@ import platform
 from collections import defaultdict
 
 import torch
-from common import add_layer_run_args, capture_grams, pattern_options, shared_bound_visits, shared_schur_bound
+from common import add_layer_run_args, bound_visits, capture_grams, pattern_options, shared_schur_bound
 
 from sparseswaps_prune.core import refine
 from sparseswaps_prune.core import refit_swaps as rs
@@ -51,10 +51,10 @@ def skip_counts(model: RefitRows, rows: torch.Tensor, shared: torch.Tensor) -> d
     terms = rs.removal_terms(state, rows)
     need = columns_to_scan(state, rows, terms, restorable, model.pivot_floor, model.m)
     best = rs.scan_swaps(state, model.w64, rows, model.pivot_floor, model.m)[0]
-    exact = -state.resid[rows].square() / state.schur[rows]
+    exact, loose = state.schur[rows], shared[state.pruned[rows]]
     out = {"rows": rows.numel(), "restorable": int(restorable.sum()), "evaluated": int(need.sum()),
-           "exact": int((restorable & (exact <= best[:, None])).sum()),
-           "shared": int(shared_bound_visits(state, model.w64, rows, best, shared).sum())}  # fmt: skip
+           "exact": int(bound_visits(state, model.w64, rows, best, exact).sum()),
+           "shared": int(bound_visits(state, model.w64, rows, best, loose).sum())}  # fmt: skip
     k_slots = state.z.shape[1]
     for name, (block_k, block_q) in TILES.items():
         pad = -need.shape[1] % block_q

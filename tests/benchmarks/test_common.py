@@ -47,8 +47,9 @@ def test_the_shared_bound_and_the_lazy_build_match_the_state(benchmark_script):
     assert (shared[state.pruned][ok] < state.schur[ok] * 0.999).any()
     rows = torch.arange(5)
     best = rs.scan_swaps(state, weight, rows, rs.pivot_floor(gram, lam))[0]
-    visits = common.shared_bound_visits(state, weight, rows, best, shared)
+    visits = common.bound_visits(state, weight, rows, best, shared[state.pruned])
     exact = (rs.restorable(state, weight, rows) & (-state.resid.square() / state.schur <= best[:, None])).sum(1)
+    assert torch.equal(common.bound_visits(state, weight, rows, best, state.schur), exact)
     assert (visits >= exact).all() and (exact >= 1).all()  # the winner's column, at least
 
     hdiag, coef, resid, inputs, schur, z = common.lazy_build(weight, keep, gram, lam, shared, int(visits.max()))
