@@ -210,9 +210,7 @@ def test_swap_and_scan_is_bit_identical_to_the_reference(nm, rescan, tile, monke
         rows = torch.tensor([6, 0, 3, 1][step:], device=DEVICE)
         _, slot_i, slot_j = rs.scan_swaps(want, weight, rows, floor, m)
         ref_up = rs.swap_slots(want, rows, slot_i, slot_j, gram)
-        got_up, scan = refit_triton.swap_and_scan(
-            state, weight, rows, slot_i, slot_j, gram, floor, m, rescan=rescan, q_splits=2
-        )
+        got_up, scan = refit_triton.swap_and_scan(state, weight, rows, slot_i, slot_j, gram, floor, m, rescan=rescan)
         for g, r in zip(got_up, ref_up, strict=True):
             assert torch.equal(g, r)
         for name, value in vars(want).items():

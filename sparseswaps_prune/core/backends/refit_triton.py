@@ -17,8 +17,9 @@ and ``H`` materialises its outer product before adding it. Here
 * :func:`add_outer` adds ``a b^T`` to the rows' ``Z`` or ``H`` in one read and write (``t + a * b``, again without
   fused multiply-add, so bit-identical to the reference's ``index_add_`` of the materialised product);
 * :func:`swap_and_scan` applies a swap (the removal's and the restore's rank-one updates) with one read and write of
-  ``H`` and one of ``Z``, and scans the swapped rows in that same pass over ``Z``: an iteration of the row scope
-  reads ``Z`` once (the state bit-identical to the reference's :func:`refit_swaps.swap_slots`).
+  ``H`` and one of ``Z``, and scans the swapped rows in that same pass over ``Z`` (one program per tile of ``Z``,
+  as the update, each writing its tile's minimum): an iteration of the row scope reads ``Z`` once (the state
+  bit-identical to the reference's :func:`refit_swaps.swap_slots`).
 
 The state build and a restore's vector ``G[p, S] Z`` (a product with the shared Gram) stay in torch. Cross-row moves
 (layer scope): :func:`refit_swaps.remove_kept` etc. with ``outer=add_outer``; the engines choose the same swaps.
@@ -42,14 +43,14 @@ from sparseswaps_prune.core.refit_swaps import (
     restorable,
 )
 
-# (BLOCK_K, BLOCK_Q, num_warps) of the scan, of the scan fused with a swap's update of Z (swap_and_scan), and
+# (BLOCK_K, BLOCK_Q, num_warps) of the scan alone, of the scan fused with a swap's update of Z (swap_and_scan), and
 # (BLOCK_A, BLOCK_B, num_warps) of the rank-one update, on an H200 (BENCHMARKS.md, "Tile shapes of the pair scan";
-# `benchmarks/refit_scan_tiles.py`): the scan alone is fastest with small tiles (16 x 32: 1.3 TB/s of Z against
-# 0.8 TB/s at 4 x 256); for the fused pass, timed in whole iterations, 16 x 32 was no faster than 4 x 256 (faster
-# at 16 rows, slower at 256 and at 14336 inputs), so 4 x 256 stays; the update runs at about 5 TB/s, the bandwidth.
-# All measured before the scan skipped tiles by the bound (columns_to_scan): to be tuned again on a GPU.
+# `benchmarks/refit_scan_tiles.py`). The scan alone loops over a row's needed tiles (16 x 32 was the fastest before
+# the bound skip; with it the scan alone is bound by its fixed cost, not by Z). The fused pass is the update's grid
+# (one program per tile of Z) with the scan of its tile added, so it starts from the update's tile, which runs at
+# about 5 TB/s, the bandwidth.
 SCAN_TILE = (16, 32, 4)
-SWAP_SCAN_TILE = (4, 256, 4)
+SWAP_SCAN_TILE = (8, 512, 8)
 OUTER_TILE = (8, 512, 8)
 # Scan programs aimed for per streaming multiprocessor (a row's pruned slots are split to reach it; 4 to 32 made no
 # consistent difference in the sweep).
@@ -63,15 +64,38 @@ _NO_KEY = torch.iinfo(torch.long).max
 
 @triton.jit
 def _kept_terms(i, k_idx, K, ratio_ptr, h_ptr, remove_ptr, kept_ptr, kept_ok_ptr):
-    """The scan's kept-slot terms of slots ``k_idx`` of row ``i``: ``(in range, ratio, H_uu, remove, kept input,
-    usable)``."""
+    """The scan's kept-slot terms of slots ``k_idx`` of row ``i``: ``(ratio, H_uu, remove, kept input, usable)``."""
     k_in = k_idx < K
     ratio = tl.load(ratio_ptr + i * K + k_idx, mask=k_in, other=0.0)
     h = tl.load(h_ptr + i * K + k_idx, mask=k_in, other=1.0)
     remove = tl.load(remove_ptr + i * K + k_idx, mask=k_in, other=0.0)
     kept = tl.load(kept_ptr + i * K + k_idx, mask=k_in, other=0)
     k_ok = k_in & (tl.load(kept_ok_ptr + i * K + k_idx, mask=k_in, other=0) != 0)
-    return k_in, ratio, h, remove, kept, k_ok
+    return ratio, h, remove, kept, k_ok
+
+
+@triton.jit
+def _pruned_terms(i, q_idx, q_in, Q, resid_ptr, schur_ptr, pruned_ptr, floor_ptr, pruned_ok_ptr):
+    """The scan's pruned-slot terms of slots ``q_idx`` of row ``i`` (``q_in``: in range): ``(r_p, s_p, pruned
+    input, pivot floor, usable)``."""
+    resid = tl.load(resid_ptr + i * Q + q_idx, mask=q_in, other=0.0)
+    schur = tl.load(schur_ptr + i * Q + q_idx, mask=q_in, other=1.0)
+    pruned = tl.load(pruned_ptr + i * Q + q_idx, mask=q_in, other=0)
+    floor = tl.load(floor_ptr + i * Q + q_idx, mask=q_in, other=0.0)
+    q_ok = q_in & (tl.load(pruned_ok_ptr + i * Q + q_idx, mask=q_in, other=0) != 0)
+    return resid, schur, pruned, floor, q_ok
+
+
+@triton.jit
+def _kept_range(i, tile, n_tiles, K, k_lo_ptr, k_hi_ptr, M: tl.constexpr):
+    """The kept slots ``[k_lo, k_hi)`` that tile ``tile`` of row ``i``'s pruned slots pairs with: with N:M
+    (``M > 0``) its range from :func:`kept_slot_ranges` (``[n, n_tiles]``), else all ``K``."""
+    k_lo = 0
+    k_hi = K
+    if M > 0:
+        k_lo = tl.load(k_lo_ptr + i * n_tiles + tile)
+        k_hi = tl.load(k_hi_ptr + i * n_tiles + tile)
+    return k_lo, k_hi
 
 
 @triton.jit
@@ -109,12 +133,6 @@ def _scan_kernel(
     k_hi_ptr,
     out_val_ptr,
     out_key_ptr,
-    first_a_ptr,
-    first_b_ptr,
-    second_a_ptr,
-    second_b_ptr,
-    skip_k_ptr,
-    skip_q_ptr,
     K,
     Q,
     d,
@@ -124,14 +142,10 @@ def _scan_kernel(
     M: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_Q: tl.constexpr,
-    UPDATE: tl.constexpr,
 ):
     """Row ``i`` of the scan, pruned slots of split ``split``: the smallest cost and its smallest key (``M``: the
-    N:M block size, 0 for none). A tile of pruned slots none of which ``need`` marks is not evaluated (nor read,
-    without an update); with ``M``, only its pairs with kept slots ``[k_lo, k_hi)`` (:func:`kept_slot_ranges`,
-    ``[n, n_tiles]``) are. With ``UPDATE`` the program first applies a swap's two rank-one updates to its part of
-    ``Z`` (:func:`_pair_update`'s rule, ``skip_k`` / ``skip_q`` the swap's kept row and pruned column) and scans the
-    updated entries: ``Z`` is read and written once."""
+    N:M block size, 0 for none). A tile of pruned slots none of which ``need`` marks is neither read nor evaluated;
+    with ``M``, only its pairs with kept slots ``[k_lo, k_hi)`` (:func:`kept_slot_ranges`, ``[n, n_tiles]``) are."""
     i = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     row = tl.load(rows_ptr + i)
@@ -142,50 +156,18 @@ def _scan_kernel(
     acc_key = tl.full([BLOCK_K, BLOCK_Q], no_key, tl.int64)
     q_begin = split * tiles_per_split * BLOCK_Q
     q_end = tl.minimum(Q, q_begin + tiles_per_split * BLOCK_Q)
-    if UPDATE:
-        skip_k = tl.load(skip_k_ptr + i)
-        skip_q = tl.load(skip_q_ptr + i)
     for q0 in range(q_begin, q_end, BLOCK_Q):
         q_idx = q0 + tl.arange(0, BLOCK_Q)
         q_in = q_idx < q_end
-        resid = tl.load(resid_ptr + i * Q + q_idx, mask=q_in, other=0.0)
-        schur = tl.load(schur_ptr + i * Q + q_idx, mask=q_in, other=1.0)
-        pruned = tl.load(pruned_ptr + i * Q + q_idx, mask=q_in, other=0)
-        floor = tl.load(floor_ptr + i * Q + q_idx, mask=q_in, other=0.0)
-        q_ok = q_in & (tl.load(pruned_ok_ptr + i * Q + q_idx, mask=q_in, other=0) != 0)
         need = tl.max(tl.load(need_ptr + i * Q + q_idx, mask=q_in, other=0).to(tl.int32), axis=0) != 0
-        if M > 0:  # N:M: only the kept slots of the tile's blocks can pair with its pruned slots
-            k_lo = tl.load(k_lo_ptr + i * n_tiles + q0 // BLOCK_Q)
-            k_hi = tl.load(k_hi_ptr + i * n_tiles + q0 // BLOCK_Q)
-        else:
-            k_lo = 0
-            k_hi = K
-        if UPDATE:
-            first_b = tl.load(first_b_ptr + i * Q + q_idx, mask=q_in, other=0.0)
-            second_b = tl.load(second_b_ptr + i * Q + q_idx, mask=q_in, other=0.0)
-            for k0 in range(0, K, BLOCK_K):
-                k_idx = k0 + tl.arange(0, BLOCK_K)
-                k_in, ratio, h, remove, kept, k_ok = _kept_terms(
-                    i, k_idx, K, ratio_ptr, h_ptr, remove_ptr, kept_ptr, kept_ok_ptr
-                )
-                tile = k_in[:, None] & q_in[None, :]
-                z_ptrs = z_row + k_idx[:, None].to(tl.int64) * Q + q_idx[None, :]
-                first_a = tl.load(first_a_ptr + i * K + k_idx, mask=k_in, other=0.0)
-                second_a = tl.load(second_a_ptr + i * K + k_idx, mask=k_in, other=0.0)
-                z = tl.load(z_ptrs, mask=tile, other=0.0)
-                first = (k_idx != skip_k)[:, None] & (q_idx != skip_q)[None, :]
-                z = tl.where(first, z + first_a[:, None] * first_b[None, :], z)
-                z = z + second_a[:, None] * second_b[None, :]
-                tl.store(z_ptrs, z, mask=tile)
-                if need and k0 < k_hi and k0 + BLOCK_K > k_lo:
-                    acc, acc_key = _fold_costs(
-                        z, k_ok[:, None] & q_ok[None, :], ratio, h, remove, kept, resid, schur, pruned, floor,
-                        acc, acc_key, d, M,
-                    )  # fmt: skip
-        elif need:
+        if need:
+            resid, schur, pruned, floor, q_ok = _pruned_terms(
+                i, q_idx, q_in, Q, resid_ptr, schur_ptr, pruned_ptr, floor_ptr, pruned_ok_ptr
+            )
+            k_lo, k_hi = _kept_range(i, q0 // BLOCK_Q, n_tiles, K, k_lo_ptr, k_hi_ptr, M)
             for k0 in range(k_lo, k_hi, BLOCK_K):
                 k_idx = k0 + tl.arange(0, BLOCK_K)
-                k_in, ratio, h, remove, kept, k_ok = _kept_terms(
+                ratio, h, remove, kept, k_ok = _kept_terms(
                     i, k_idx, K, ratio_ptr, h_ptr, remove_ptr, kept_ptr, kept_ok_ptr
                 )
                 ok = k_ok[:, None] & q_ok[None, :]
@@ -202,11 +184,19 @@ def _scan_kernel(
 @triton.jit
 def _pair_update(
     t_ptr, rows_ptr, first_a_ptr, first_b_ptr, second_a_ptr, second_b_ptr, skip_a_ptr, skip_b_ptr, A, B,
-    BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, PAIR: tl.constexpr,
+    ratio_ptr, h_ptr, remove_ptr, kept_ptr, kept_ok_ptr, resid_ptr, schur_ptr, pruned_ptr, pruned_ok_ptr, floor_ptr,
+    need_ptr, k_lo_ptr, k_hi_ptr, out_val_ptr, out_key_ptr, d,
+    BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, PAIR: tl.constexpr, SCAN: tl.constexpr, M: tl.constexpr,
 ):  # fmt: skip
     """``t[rows[i]] += first_a[i] first_b[i]^T`` on one tile; with ``PAIR``, instead
     ``t = (t + first_a first_b^T, except on row skip_a[i] and column skip_b[i]) + second_a second_b^T``: a swap's
-    removal and restore updates in one read and write (its row and column there were written before)."""
+    removal and restore updates in one read and write (its row and column there were written before).
+
+    With ``SCAN`` (``t`` is ``Z``, ``A = K``, ``B = Q``) the program then evaluates the pair costs of its updated
+    tile, as :func:`_scan_kernel` does (the tile is skipped where ``need`` marks none of its pruned slots or, with
+    ``M``, where it misses their kept slots ``[k_lo, k_hi)``), and writes their smallest cost and its smallest key
+    (``+inf`` and the largest key where skipped) to ``out[i, tile_a, tile_b]``: ``Z`` is read and written once,
+    by as many programs as the plain update."""
     i = tl.program_id(0).to(tl.int64)
     a_idx = tl.program_id(1) * BLOCK_A + tl.arange(0, BLOCK_A)
     b_idx = tl.program_id(2) * BLOCK_B + tl.arange(0, BLOCK_B)
@@ -225,6 +215,28 @@ def _pair_update(
     else:
         t = t + a[:, None] * b[None, :]
     tl.store(ptrs, t, mask=ok)
+    if SCAN:
+        n_tiles = tl.num_programs(2)
+        out = (i * tl.num_programs(1) + tl.program_id(1)) * n_tiles + tl.program_id(2)
+        need = tl.max(tl.load(need_ptr + i * B + b_idx, mask=b_in, other=0).to(tl.int32), axis=0) != 0
+        k_lo, k_hi = _kept_range(i, tl.program_id(2), n_tiles, A, k_lo_ptr, k_hi_ptr, M)
+        a0 = tl.program_id(1) * BLOCK_A
+        if need and a0 < k_hi and a0 + BLOCK_A > k_lo:
+            ratio, h, remove, kept, k_ok = _kept_terms(i, a_idx, A, ratio_ptr, h_ptr, remove_ptr, kept_ptr, kept_ok_ptr)
+            resid, schur, pruned, floor, q_ok = _pruned_terms(
+                i, b_idx, b_in, B, resid_ptr, schur_ptr, pruned_ptr, floor_ptr, pruned_ok_ptr
+            )
+            acc, acc_key = _fold_costs(
+                t, k_ok[:, None] & q_ok[None, :], ratio, h, remove, kept, resid, schur, pruned, floor,
+                tl.full([BLOCK_A, BLOCK_B], float("inf"), tl.float64),
+                tl.full([BLOCK_A, BLOCK_B], 9223372036854775807, tl.int64), d, M,
+            )  # fmt: skip
+            best = tl.min(tl.min(acc, axis=1), axis=0)
+            tl.store(out_val_ptr + out, best)
+            tl.store(out_key_ptr + out, tl.min(tl.min(tl.where(acc == best, acc_key, 9223372036854775807), 1), 0))
+        else:
+            tl.store(out_val_ptr + out, float("inf"))
+            tl.store(out_key_ptr + out, 9223372036854775807)
 
 
 def _check_contiguous(t: torch.Tensor, name: str) -> None:
@@ -282,45 +294,24 @@ def _scan(
     need = columns_to_scan(state, rows, (h_safe, ratio, remove), pruned_ok, pivot_floor, m, update)
     block_k, block_q, num_warps = SCAN_TILE if update is None else SWAP_SCAN_TILE
     n_tiles = triton.cdiv(q_slots, block_q)
-    n_split, tiles_per_split = tile_splits(n, n_tiles, dev, q_splits, programs_per_sm=SCAN_PROGRAMS_PER_SM)
     # N:M: the kept slots each tile of pruned slots can pair with (without N:M never read: rows stands in)
     k_lo, k_hi = kept_slot_ranges(kept, kept_ok, pruned, need, m, block_q) if m else (rows, rows)
-    part_val = torch.empty(n, n_split, dtype=torch.float64, device=dev)
-    part_key = torch.empty(n, n_split, dtype=torch.long, device=dev)
-    # without an update its pointers are never read: any tensors of the right types stand in
-    terms = [t.contiguous() for t in update] if update is not None else [ratio] * 4 + [rows] * 2
-    _scan_kernel[(n, n_split)](
-        state.z,
-        rows.contiguous(),
-        ratio.contiguous(),
-        h_safe.contiguous(),
-        remove.contiguous(),
-        kept.contiguous(),
-        kept_ok.to(torch.int8).contiguous(),
-        state.resid[rows].contiguous(),
-        state.schur[rows].contiguous(),
-        pruned.contiguous(),
-        pruned_ok.to(torch.int8).contiguous(),
-        pivot_floor[pruned].contiguous(),
-        need.to(torch.int8).contiguous(),
-        k_lo.contiguous(),
-        k_hi.contiguous(),
-        part_val,
-        part_key,
-        *terms,
-        k_slots,
-        q_slots,
-        d,
-        tiles_per_split,
-        n_split,
-        n_tiles,
-        M=m or 0,
-        BLOCK_K=block_k,
-        BLOCK_Q=block_q,
-        UPDATE=update is not None,
-        num_warps=num_warps,
-        enable_fp_fusion=False,
-    )
+    terms = [ratio, h_safe, remove, kept, kept_ok.to(torch.int8), state.resid[rows], state.schur[rows], pruned,
+             pruned_ok.to(torch.int8), pivot_floor[pruned], need.to(torch.int8), k_lo, k_hi]  # fmt: skip
+    terms = [t.contiguous() for t in terms]
+    if update is not None:  # one program per tile of Z, as the plain update: partial minima per tile
+        first_a, first_b, second_a, second_b, skip_k, skip_q = update
+        part_val, part_key = _launch_update(
+            state.z, rows, (first_a, first_b), (second_a, second_b, skip_k, skip_q), (terms, d, m)
+        )
+    else:  # one program per row and range of pruned slots: it reads only the tiles the scan needs
+        n_split, tiles_per_split = tile_splits(n, n_tiles, dev, q_splits, programs_per_sm=SCAN_PROGRAMS_PER_SM)
+        part_val = torch.empty(n, n_split, dtype=torch.float64, device=dev)
+        part_key = torch.empty(n, n_split, dtype=torch.long, device=dev)
+        _scan_kernel[(n, n_split)](
+            state.z, rows.contiguous(), *terms, part_val, part_key, k_slots, q_slots, d, tiles_per_split, n_split,
+            n_tiles, M=m or 0, BLOCK_K=block_k, BLOCK_Q=block_q, num_warps=num_warps, enable_fp_fusion=False,
+        )  # fmt: skip
     best = part_val.min(dim=1).values
     key = torch.where(part_val == best[:, None], part_key, _NO_KEY).min(dim=1).values
     found = best < float("inf")
@@ -410,20 +401,36 @@ def columns_to_scan(
     return need & pruned_ok
 
 
-def _launch_update(target: torch.Tensor, rows: torch.Tensor, first: tuple, second: tuple | None = None) -> None:
+def _launch_update(
+    target: torch.Tensor,
+    rows: torch.Tensor,
+    first: tuple,
+    second: tuple | None = None,
+    scan: tuple[list[torch.Tensor], int, int | None] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
     """:func:`_pair_update` over the rows' ``[A, B]`` entries of ``target``: ``first = (a, b)``; ``second = (a, b,
-    skip_a, skip_b)`` for a swap's pair of updates."""
+    skip_a, skip_b)`` for a swap's pair of updates; ``scan = (terms, d, m)`` (``target`` is ``Z``; ``terms``: the
+    scan kernel's per-row inputs from ``ratio`` to ``k_hi``, as :func:`_scan` builds them) also scans the updated
+    tiles and returns their partial minima, ``[n, tiles]`` costs (float64) and keys (int64)."""
     n, (_, size_a, size_b) = rows.numel(), target.shape
     _check_contiguous(target, "add_outer")
-    if n == 0 or size_a == 0 or size_b == 0:
-        return
-    block_a, block_b, num_warps = OUTER_TILE
+    block_a, block_b, num_warps = OUTER_TILE if scan is None else SWAP_SCAN_TILE
     grid = (n, triton.cdiv(size_a, block_a), triton.cdiv(size_b, block_b))
+    if scan is None:  # the scan's pointers are never read: rows stand in
+        terms, d, m, parts = [rows] * 13, 0, None, (rows, rows)
+    else:
+        terms, d, m = scan
+        tiles = grid[1] * grid[2]
+        parts = tuple(torch.empty(n, tiles, dtype=dt, device=rows.device) for dt in (torch.float64, torch.long))
+    if n == 0 or size_a == 0 or size_b == 0:
+        return None if scan is None else parts
     rest = [t.contiguous() for t in second] if second is not None else [first[0], first[1], rows, rows]
     _pair_update[grid](
-        target, rows.contiguous(), first[0].contiguous(), first[1].contiguous(), *rest, size_a, size_b,
-        BLOCK_A=block_a, BLOCK_B=block_b, PAIR=second is not None, num_warps=num_warps, enable_fp_fusion=False,
+        target, rows.contiguous(), first[0].contiguous(), first[1].contiguous(), *rest, size_a, size_b, *terms,
+        *parts, d, BLOCK_A=block_a, BLOCK_B=block_b, PAIR=second is not None, SCAN=scan is not None, M=m or 0,
+        num_warps=num_warps, enable_fp_fusion=False,
     )  # fmt: skip
+    return None if scan is None else parts
 
 
 def add_outer(target: torch.Tensor, rows: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -446,7 +453,6 @@ def swap_and_scan(
     m: int | None = None,
     *,
     rescan: bool = True,
-    q_splits: int | None = None,
 ) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None]:
     """:func:`refit_swaps.swap_slots` (the same state, bit for bit) with each of ``H`` and ``Z`` read and written
     once, and with ``rescan`` the scan of the swapped rows (:func:`scan_swaps`) in the same pass over ``Z``.
@@ -482,5 +488,5 @@ def swap_and_scan(
     if not rescan:
         _launch_update(state.z, rows, (z_a, z_b), (z_a2, z_b2, slot_i, slot_j))
         return (incoming[0], p), None
-    scan = _scan(state, w64, rows, pivot_floor, m, q_splits, (z_a, z_b, z_a2, z_b2, slot_i, slot_j))
+    scan = _scan(state, w64, rows, pivot_floor, m, None, (z_a, z_b, z_a2, z_b2, slot_i, slot_j))
     return (incoming[0], p), scan
