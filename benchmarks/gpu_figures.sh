@@ -31,11 +31,12 @@ if [ "$stage" = refit ]; then
   # 2:4: the scan evaluates only the kept slots of each tile's blocks (refit_triton.kept_slot_ranges)
   step 100 python3 benchmarks/refit_swaps.py --device cuda --widths 576 1536 4096 --rows 16 --pattern 2:4
 fi
-# the Triton pair scan's tile shapes and programs per SM: ~1 min on an H200, then 2:4 (<= 100 s)
+# the Triton pair scan's tile shapes and programs per SM, and the update's tiles (whole iterations): ~1-2 min on an H200, then 2:4
 if [ "$stage" = tiles ]; then
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   step 150 python3 benchmarks/refit_scan_tiles.py
-  step 100 python3 benchmarks/refit_scan_tiles.py --pattern 2:4 --tiles 4x256x4 4x64x4 16x32x4 --per-sm 4
+  step 100 python3 benchmarks/refit_scan_tiles.py --pattern 2:4 --tiles 4x256x4 4x64x4 16x32x4 --per-sm 4 \
+    --update-tiles 8x512x8 4x512x4
 fi
 if [ "$stage" = short ] || [ "$stage" = pipeline ]; then
   step 300 python3 benchmarks/llm_pipeline.py --model llama-3.1-8b --blocks 2 --iters 0 1 5 25 100 --device cuda \

@@ -6,14 +6,13 @@ row batches), then :func:`~sparseswaps_prune.core.backends.refit_triton.columns_
 pairs the Triton scan evaluates; the others cannot win or tie by ``dF(u, p) >= -r_p^2 / s_p``), at the start
 (every row) and after ``--iters`` iterations of the library's row-scope loop (the rows whose best swap still lowers
 the loss past the rounding floor, which the loop would go on scanning). Printed per layer kind and over all layers:
-the rows counted, the mean restorable and evaluated slots per row and, for the tile shapes of the scan alone and of
-the scan fused with an update (``SCAN_TILE`` and ``SWAP_SCAN_TILE``), the share of the tiles of pruned slots that
-hold an evaluated slot and the share of the ``[BLOCK_K, BLOCK_Q]`` tiles of ``Z`` whose pair costs the kernel
-evaluates (the same share without N:M; with N:M only the kept slots of the tile's blocks, ``kept_slot_ranges``):
-the share of the pair arithmetic the kernel still does. Also the mean restorable slots per row whose bound does not
-exceed the row's best swap, with the row's ``s_p`` (``s_p bound``: what the numba engine visits) and with the
-layer-wide ``sigma_p <= s_p`` of ``common.shared_schur_bound`` (``shared bound``: what a state without every row's
-``s_p`` would have to visit). CPU (the torch state; no kernel runs).
+the rows counted, the mean restorable and evaluated slots per row and, for the scan's tile shape (``SCAN_TILE``),
+the share of the tiles of pruned slots that hold an evaluated slot and the share of the ``[BLOCK_K, BLOCK_Q]``
+tiles of ``Z`` whose pair costs the kernel evaluates (the same share without N:M; with N:M only the kept slots of
+the tile's blocks, ``kept_slot_ranges``): the share of the pair arithmetic the kernel still does. Also the mean
+restorable slots per row whose bound does not exceed the row's best swap, with the row's ``s_p`` (``s_p bound``:
+what the numba engine visits) and with the layer-wide ``sigma_p <= s_p`` of ``common.shared_schur_bound``
+(``shared bound``: what a state without every row's ``s_p`` would have to visit). CPU (the torch state; no kernel runs).
 
     python benchmarks/refit_scan_skip.py [--blocks 0 15 29] [--pattern 60%] [--iters 10] [--nsamples 16]
 """
@@ -29,14 +28,14 @@ from common import add_layer_run_args, bound_visits, capture_grams, pattern_opti
 
 from sparseswaps_prune.core import refine
 from sparseswaps_prune.core import refit_swaps as rs
-from sparseswaps_prune.core.backends.refit_triton import SCAN_TILE, SWAP_SCAN_TILE, columns_to_scan, kept_slot_ranges
+from sparseswaps_prune.core.backends.refit_triton import SCAN_TILE, columns_to_scan, kept_slot_ranges
 from sparseswaps_prune.core.refine import RefitRows, RowPlanner, _default_row_batch
 from sparseswaps_prune.core.refit import damping
 from sparseswaps_prune.core.spec import SwapRefine
 from sparseswaps_prune.core.warmstart import warmstart_mask
 
-# (BLOCK_K, BLOCK_Q) of the scan alone and of the scan fused with a swap's update
-TILES = {"scan": SCAN_TILE[:2], "fused": SWAP_SCAN_TILE[:2]}
+# (BLOCK_K, BLOCK_Q) of the scan (a swap's update of Z is a separate pass that evaluates no pair)
+TILES = {"scan": SCAN_TILE[:2]}
 
 
 def skip_counts(model: RefitRows, rows: torch.Tensor, shared: torch.Tensor) -> dict[str, float]:

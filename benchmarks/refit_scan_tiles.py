@@ -1,16 +1,16 @@
-"""Launch shapes of the Triton re-fit pair scan: for each tile ``(BLOCK_K, BLOCK_Q, num_warps)`` of the scan alone
+"""Launch shapes of the Triton re-fit engine: for each tile ``(BLOCK_K, BLOCK_Q, num_warps)`` of the pair scan
 (``refit_triton.SCAN_TILE``) and each count of programs aimed for per streaming multiprocessor
 (``refit_triton.SCAN_PROGRAMS_PER_SM``), seconds per row and the bytes of ``Z`` per second (all of ``Z``, though the
 scan skips the tiles :func:`refit_triton.columns_to_scan` leaves out, so a rate over the bandwidth is possible); and
-for each tile of the scan fused with a swap's update (``refit_triton.SWAP_SCAN_TILE``: one program per tile of
-``Z``), the time of an iteration (``swap_and_scan``), on ``common.random_layer`` (random correlated Gram, Wanda mask
-of ``--pattern``, 60% by default or N:M). Every scan is checked against the torch reference
-(``refit_swaps.scan_swaps``): ``same`` says its costs and slots are bit-identical, and every fused iteration's
-state against the reference's :func:`refit_swaps.swap_slots` and scan. CUDA (``--device cpu`` only under
+for each tile ``(BLOCK_A, BLOCK_B, num_warps)`` of the rank-one update (``refit_triton.OUTER_TILE``), the time of an
+iteration (``swap_and_scan``: the update of ``H`` and ``Z``, then the scan), on ``common.random_layer`` (random
+correlated Gram, Wanda mask of ``--pattern``, 60% by default or N:M). Every scan is checked against the torch
+reference (``refit_swaps.scan_swaps``): ``same`` says its costs and slots are bit-identical, and every iteration's
+state and scan against the reference's :func:`refit_swaps.swap_slots` and scan. CUDA (``--device cpu`` only under
 ``TRITON_INTERPRET=1``, to check the script at small widths).
 
     python benchmarks/refit_scan_tiles.py [--widths 4096 14336] [--rows 64 8] [--tiles 16x32x4 ...] [--per-sm 4 16]
-                                          [--fused-tiles 8x512x8 ...] [--pattern 60%|2:4]
+                                          [--update-tiles 8x512x8 ...] [--pattern 60%|2:4]
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from sparseswaps_prune.core.backends import refit_triton
 from sparseswaps_prune.core.refit import damping
 
 SCAN_TILES = ["4x256x4", "2x512x4", "4x128x4", "8x64x4", "16x64x4", "32x64x8", "16x32x4", "8x128x8"]
-FUSED_TILES = ["8x512x8", "4x512x4", "8x256x8", "4x256x4", "2x512x4", "4x128x4", "16x256x8"]
+UPDATE_TILES = ["8x512x8", "4x512x4", "8x512x4", "4x1024x8", "16x256x8", "2x512x2", "8x256x4"]
 
 
 def _copy(state: rs.RefitState) -> rs.RefitState:
@@ -35,7 +35,7 @@ def _copy(state: rs.RefitState) -> rs.RefitState:
 
 def swap_iterations(state: rs.RefitState, weight, gram, rows, floor, m: int | None, iters: int) -> tuple[float, bool]:
     """Mean seconds of an iteration of the row scope on a copy of ``state`` (``refit_triton.swap_and_scan`` of the
-    rows whose best swap lowers the loss, scanning them in the same pass), after one warm-up iteration; and whether
+    rows whose best swap lowers the loss, then the scan of those rows), after one warm-up iteration; and whether
     that first iteration's state and scan are bit-identical to the reference's (``refit_swaps.swap_slots``, then
     ``refit_swaps.scan_swaps``). ``m``: the N:M block size or None."""
     state = _copy(state)
@@ -58,9 +58,9 @@ def swap_iterations(state: rs.RefitState, weight, gram, rows, floor, m: int | No
     return timed(iteration, iters), checked[0]
 
 
-def _set_tiles(scan: str, fused: str, programs: int) -> None:
+def _set_tiles(scan: str, update: str, programs: int) -> None:
     refit_triton.SCAN_TILE = tuple(int(x) for x in scan.split("x"))
-    refit_triton.SWAP_SCAN_TILE = tuple(int(x) for x in fused.split("x"))
+    refit_triton.OUTER_TILE = tuple(int(x) for x in update.split("x"))
     refit_triton.SCAN_PROGRAMS_PER_SM = programs
 
 
@@ -70,12 +70,13 @@ def sweep(
     device: str,
     tiles: list[str],
     per_sm: list[int],
-    fused_tiles: list[str],
+    update_tiles: list[str],
     repeat: int,
     pattern: str = "60%",
 ) -> tuple[int, list, list]:
-    """``(bytes of Z, [(scan tile, programs per SM, scan seconds for all rows, same as the reference)], [(fused
-    tile, swap-and-scan iteration seconds for all rows, same as the reference)])`` at one width."""
+    """``(bytes of Z, [(scan tile, programs per SM, scan seconds for all rows, same as the reference)], [(update
+    tile, iteration seconds for all rows, same as the reference)])`` at one width (the default scan tile and
+    programs for the iterations, the default update tile for the scans)."""
     nm = pattern_options(pattern)["nm"]
     m = nm[1] if nm else None
     weight, gram, keep = (t.to(device) for t in random_layer(d_in, n_rows, pattern, dtype=torch.float64))
@@ -94,21 +95,21 @@ def sweep(
     def scan() -> tuple[torch.Tensor, ...]:
         return refit_triton.scan_swaps(state, weight, rows, floor, m)
 
-    default = (refit_triton.SCAN_TILE, refit_triton.SWAP_SCAN_TILE, refit_triton.SCAN_PROGRAMS_PER_SM)
-    fused_default, programs_default = "x".join(map(str, default[1])), default[2]
-    scans, fused = [], []
+    default = (refit_triton.SCAN_TILE, refit_triton.OUTER_TILE, refit_triton.SCAN_PROGRAMS_PER_SM)
+    scan_default, update_default = ("x".join(map(str, tile)) for tile in default[:2])
+    scans, iterations = [], []
     try:
         for tile in tiles:
             for programs in per_sm:
-                _set_tiles(tile, fused_default, programs)
+                _set_tiles(tile, update_default, programs)
                 same = all(torch.equal(a, b) for a, b in zip(scan(), reference, strict=True))
                 scans.append((tile, programs, timed(scan, repeat), same))
-        for tile in fused_tiles:
-            _set_tiles("x".join(map(str, default[0])), tile, programs_default)
-            fused.append((tile, *swap_iterations(state, weight, gram, rows, floor, m, repeat)))
+        for tile in update_tiles:
+            _set_tiles(scan_default, tile, default[2])
+            iterations.append((tile, *swap_iterations(state, weight, gram, rows, floor, m, repeat)))
     finally:
-        refit_triton.SCAN_TILE, refit_triton.SWAP_SCAN_TILE, refit_triton.SCAN_PROGRAMS_PER_SM = default
-    return state.z.numel() * 8, scans, fused
+        refit_triton.SCAN_TILE, refit_triton.OUTER_TILE, refit_triton.SCAN_PROGRAMS_PER_SM = default
+    return state.z.numel() * 8, scans, iterations
 
 
 def main() -> None:
@@ -117,7 +118,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[64, 8], help="rows per width (one per width)")
     parser.add_argument("--tiles", nargs="+", default=SCAN_TILES, help="scan alone: BLOCK_KxBLOCK_Qxnum_warps")
     parser.add_argument("--per-sm", type=int, nargs="+", default=[4, 8, 16, 32], help="scan programs per SM")
-    parser.add_argument("--fused-tiles", nargs="+", default=FUSED_TILES, help="scan fused with the update")
+    parser.add_argument("--update-tiles", nargs="+", default=UPDATE_TILES, help="update: BLOCK_AxBLOCK_Bxnum_warps")
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--pattern", default="60%", help="e.g. 60%% or 2:4")
@@ -127,24 +128,24 @@ def main() -> None:
     name = torch.cuda.get_device_name() if args.device == "cuda" else args.device
     print(
         f"device: {name}, torch {torch.__version__}, defaults: scan tile {refit_triton.SCAN_TILE}, "
-        f"{refit_triton.SCAN_PROGRAMS_PER_SM} programs per SM, fused tile {refit_triton.SWAP_SCAN_TILE}; "
+        f"{refit_triton.SCAN_PROGRAMS_PER_SM} programs per SM, update tile {refit_triton.OUTER_TILE}; "
         f"{args.pattern}"
     )
     results = []
     for d_in, n_rows in zip(args.widths, args.rows, strict=True):
-        z_bytes, scans, fused = sweep(
-            d_in, n_rows, args.device, args.tiles, args.per_sm, args.fused_tiles, args.repeat, args.pattern
+        z_bytes, scans, iterations = sweep(
+            d_in, n_rows, args.device, args.tiles, args.per_sm, args.update_tiles, args.repeat, args.pattern
         )
-        results.append((d_in, n_rows, z_bytes, scans, fused))
+        results.append((d_in, n_rows, z_bytes, scans, iterations))
     print(f"{'d_in':>5} {'rows':>4} {'scan tile':>10} {'per SM':>6} {'scan s/row':>10} {'Z GB/s':>7} {'same':>4}")
     for d_in, n_rows, z_bytes, scans, _ in results:
         for tile, programs, seconds, same in scans:
             flag, rate = "yes" if same else "NO", z_bytes / seconds / 1e9
             print(f"{d_in:>5} {n_rows:>4} {tile:>10} {programs:>6} {seconds / n_rows:>10.3e} {rate:>7.0f} {flag:>4}")
-    print(f"{'d_in':>5} {'rows':>4} {'fused tile':>10} {'swap+scan it s/row':>18} {'same':>4}")
-    for d_in, n_rows, _, _, fused in results:
-        for tile, seconds, same in fused:
-            print(f"{d_in:>5} {n_rows:>4} {tile:>10} {seconds / n_rows:>18.3e} {'yes' if same else 'NO':>4}")
+    print(f"{'d_in':>5} {'rows':>4} {'update tile':>11} {'swap+scan it s/row':>18} {'same':>4}")
+    for d_in, n_rows, _, _, iterations in results:
+        for tile, seconds, same in iterations:
+            print(f"{d_in:>5} {n_rows:>4} {tile:>11} {seconds / n_rows:>18.3e} {'yes' if same else 'NO':>4}")
 
 
 if __name__ == "__main__":

@@ -199,8 +199,9 @@ def test_cuda_engine_at_a_larger_width():
     ],
 )
 def test_swap_and_scan_is_bit_identical_to_the_reference(nm, rescan, tile, monkeypatch):
-    if tile is not None:  # several pruned-slot tiles per program: the running minimum across tiles
-        monkeypatch.setattr(refit_triton, "SWAP_SCAN_TILE", tile)
+    if tile is not None:  # several tiles per program and row: the update's edges, the scan's running minimum
+        monkeypatch.setattr(refit_triton, "SCAN_TILE", tile)
+        monkeypatch.setattr(refit_triton, "OUTER_TILE", tile)
     weight, gram, keep = _layer(7, 300, seed=4, nm=nm)
     state, lam = _state(weight, gram, keep)
     floor = rs.pivot_floor(gram, lam)

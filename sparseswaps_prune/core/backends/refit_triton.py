@@ -6,20 +6,21 @@ The torch reference spends an iteration in elementwise passes over the state ``Z
 per row at ``d_in = 4096``): the pair scan builds ten ``[n, K, Q]`` temporaries, and each rank-one update of ``Z``
 and ``H`` materialises its outer product before adding it. Here
 
-* :func:`scan_swaps` reads ``Z`` once: one program owns a row and a range of pruned slots, evaluates the pair
-  costs ``v_u^2 / H_uu - (r_p + Z_up v_u / H_uu)^2 / (s_p + Z_up^2 / H_uu)`` tile by tile in registers with the
-  reference's operations in the reference's order, compiled without fused multiply-add
+* :func:`scan_swaps` reads ``Z`` at most once: one program owns a row and a range of pruned slots, evaluates the
+  pair costs ``v_u^2 / H_uu - (r_p + Z_up v_u / H_uu)^2 / (s_p + Z_up^2 / H_uu)`` tile by tile in registers with
+  the reference's operations in the reference's order, compiled without fused multiply-add
   (``enable_fp_fusion=False``), so the costs are bit-identical to :func:`refit_swaps.scan_swaps`; it keeps the
-  minimum and, on ties, the smallest input-index key ``u * d + p``, the reference's tie rule; it skips the tiles of
-  pruned slots that cannot win or tie by the numba engine's bound ``dF(u, p) >= -r_p^2 / s_p`` against the costs
-  of the row's columns of largest restore gain (:func:`columns_to_scan`; without an update they are not even read);
-  with N:M a tile of pruned slots evaluates only the kept slots of its blocks (:func:`kept_slot_ranges`);
+  minimum and, on ties, the smallest input-index key ``u * d + p``, the reference's tie rule; it neither reads nor
+  evaluates the tiles of pruned slots that cannot win or tie by the numba engine's bound
+  ``dF(u, p) >= -r_p^2 / s_p`` against the costs of the row's columns of largest restore gain
+  (:func:`columns_to_scan`); with N:M a tile of pruned slots evaluates only the kept slots of its blocks
+  (:func:`kept_slot_ranges`);
 * :func:`add_outer` adds ``a b^T`` to the rows' ``Z`` or ``H`` in one read and write (``t + a * b``, again without
   fused multiply-add, so bit-identical to the reference's ``index_add_`` of the materialised product);
 * :func:`swap_and_scan` applies a swap (the removal's and the restore's rank-one updates) with one read and write of
-  ``H`` and one of ``Z``, and scans the swapped rows in that same pass over ``Z`` (one program per tile of ``Z``,
-  as the update, each writing its tile's minimum): an iteration of the row scope reads ``Z`` once (the state
-  bit-identical to the reference's :func:`refit_swaps.swap_slots`).
+  ``H`` and one of ``Z`` (the state bit-identical to the reference's :func:`refit_swaps.swap_slots`), then scans
+  the swapped rows: an iteration of the row scope reads and writes ``Z`` once and reads again only the tiles the
+  bound leaves.
 
 The state build and a restore's vector ``G[p, S] Z`` (a product with the shared Gram) stay in torch. Cross-row moves
 (layer scope): :func:`refit_swaps.remove_kept` etc. with ``outer=add_outer``; the engines choose the same swaps.
@@ -43,14 +44,13 @@ from sparseswaps_prune.core.refit_swaps import (
     restorable,
 )
 
-# (BLOCK_K, BLOCK_Q, num_warps) of the scan alone, of the scan fused with a swap's update of Z (swap_and_scan), and
-# (BLOCK_A, BLOCK_B, num_warps) of the rank-one update, on an H200 (BENCHMARKS.md, "Tile shapes of the pair scan";
-# `benchmarks/refit_scan_tiles.py`). The scan alone loops over a row's needed tiles (16 x 32 was the fastest before
-# the bound skip; with it the scan alone is bound by its fixed cost, not by Z). The fused pass is the update's grid
-# (one program per tile of Z) with the scan of its tile added, so it starts from the update's tile, which runs at
-# about 5 TB/s, the bandwidth.
+# (BLOCK_K, BLOCK_Q, num_warps) of the scan and (BLOCK_A, BLOCK_B, num_warps) of the rank-one update, on an H200
+# (BENCHMARKS.md, "Tile shapes of the pair scan" and "Fused or split"; `benchmarks/refit_scan_tiles.py`): the scan
+# is fastest with small tiles (16 x 32: 1.3 TB/s of Z against 0.8 TB/s at 4 x 256, before the bound skip); the
+# update streams Z and H. A scan fused into the update's pass was no faster than the update and the scan after it
+# (by ptxas's count the fused pass needs 182 registers per thread at 8 x 512 x 8 against the update's 92: one block
+# per SM instead of two), so the iteration runs them one after the other.
 SCAN_TILE = (16, 32, 4)
-SWAP_SCAN_TILE = (8, 512, 8)
 OUTER_TILE = (8, 512, 8)
 # Scan programs aimed for per streaming multiprocessor (a row's pruned slots are split to reach it; 4 to 32 made no
 # consistent difference in the sweep).
@@ -184,19 +184,11 @@ def _scan_kernel(
 @triton.jit
 def _pair_update(
     t_ptr, rows_ptr, first_a_ptr, first_b_ptr, second_a_ptr, second_b_ptr, skip_a_ptr, skip_b_ptr, A, B,
-    ratio_ptr, h_ptr, remove_ptr, kept_ptr, kept_ok_ptr, resid_ptr, schur_ptr, pruned_ptr, pruned_ok_ptr, floor_ptr,
-    need_ptr, k_lo_ptr, k_hi_ptr, out_val_ptr, out_key_ptr, d,
-    BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, PAIR: tl.constexpr, SCAN: tl.constexpr, M: tl.constexpr,
+    BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, PAIR: tl.constexpr,
 ):  # fmt: skip
     """``t[rows[i]] += first_a[i] first_b[i]^T`` on one tile; with ``PAIR``, instead
     ``t = (t + first_a first_b^T, except on row skip_a[i] and column skip_b[i]) + second_a second_b^T``: a swap's
-    removal and restore updates in one read and write (its row and column there were written before).
-
-    With ``SCAN`` (``t`` is ``Z``, ``A = K``, ``B = Q``) the program then evaluates the pair costs of its updated
-    tile, as :func:`_scan_kernel` does (the tile is skipped where ``need`` marks none of its pruned slots or, with
-    ``M``, where it misses their kept slots ``[k_lo, k_hi)``), and writes their smallest cost and its smallest key
-    (``+inf`` and the largest key where skipped) to ``out[i, tile_a, tile_b]``: ``Z`` is read and written once,
-    by as many programs as the plain update."""
+    removal and restore updates in one read and write (its row and column there were written before)."""
     i = tl.program_id(0).to(tl.int64)
     a_idx = tl.program_id(1) * BLOCK_A + tl.arange(0, BLOCK_A)
     b_idx = tl.program_id(2) * BLOCK_B + tl.arange(0, BLOCK_B)
@@ -215,28 +207,6 @@ def _pair_update(
     else:
         t = t + a[:, None] * b[None, :]
     tl.store(ptrs, t, mask=ok)
-    if SCAN:
-        n_tiles = tl.num_programs(2)
-        out = (i * tl.num_programs(1) + tl.program_id(1)) * n_tiles + tl.program_id(2)
-        need = tl.max(tl.load(need_ptr + i * B + b_idx, mask=b_in, other=0).to(tl.int32), axis=0) != 0
-        k_lo, k_hi = _kept_range(i, tl.program_id(2), n_tiles, A, k_lo_ptr, k_hi_ptr, M)
-        a0 = tl.program_id(1) * BLOCK_A
-        if need and a0 < k_hi and a0 + BLOCK_A > k_lo:
-            ratio, h, remove, kept, k_ok = _kept_terms(i, a_idx, A, ratio_ptr, h_ptr, remove_ptr, kept_ptr, kept_ok_ptr)
-            resid, schur, pruned, floor, q_ok = _pruned_terms(
-                i, b_idx, b_in, B, resid_ptr, schur_ptr, pruned_ptr, floor_ptr, pruned_ok_ptr
-            )
-            acc, acc_key = _fold_costs(
-                t, k_ok[:, None] & q_ok[None, :], ratio, h, remove, kept, resid, schur, pruned, floor,
-                tl.full([BLOCK_A, BLOCK_B], float("inf"), tl.float64),
-                tl.full([BLOCK_A, BLOCK_B], 9223372036854775807, tl.int64), d, M,
-            )  # fmt: skip
-            best = tl.min(tl.min(acc, axis=1), axis=0)
-            tl.store(out_val_ptr + out, best)
-            tl.store(out_key_ptr + out, tl.min(tl.min(tl.where(acc == best, acc_key, 9223372036854775807), 1), 0))
-        else:
-            tl.store(out_val_ptr + out, float("inf"))
-            tl.store(out_key_ptr + out, 9223372036854775807)
 
 
 def _check_contiguous(t: torch.Tensor, name: str) -> None:
@@ -266,21 +236,6 @@ def scan_swaps(
         ``dF`` ``[n]`` float64 (``+inf`` where no feasible pair), kept slot ``i`` and pruned slot ``j`` ``[n]``
         int64 (0 and 0 where no pair). Extra memory: ``[n, K]`` and ``[n, Q]`` terms only.
     """
-    return _scan(state, w64, rows, pivot_floor, m, q_splits)
-
-
-def _scan(
-    state: RefitState,
-    w64: torch.Tensor,
-    rows: torch.Tensor,
-    pivot_floor: torch.Tensor,
-    m: int | None,
-    q_splits: int | None,
-    update: tuple[torch.Tensor, ...] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`scan_swaps`; with ``update = (first_a, first_b, second_a, second_b, skip_k, skip_q)`` (``[n, K]``,
-    ``[n, Q]``, ``[n, K]``, ``[n, Q]`` float64, ``[n]``, ``[n]`` int64) the rows' ``Z`` is first updated in place
-    by :func:`_pair_update`'s rule, in the same pass (the scan's terms must already be those after the update)."""
     n = rows.numel()
     _, k_slots, q_slots = state.z.shape
     d = w64.shape[1]
@@ -291,27 +246,21 @@ def _scan(
     kept, kept_ok, pruned = state.kept[rows], state.kept_ok[rows], state.pruned[rows]
     h_safe, ratio, remove = removal_terms(state, rows)  # as the reference
     pruned_ok = restorable(state, w64, rows)
-    need = columns_to_scan(state, rows, (h_safe, ratio, remove), pruned_ok, pivot_floor, m, update)
-    block_k, block_q, num_warps = SCAN_TILE if update is None else SWAP_SCAN_TILE
+    need = columns_to_scan(state, rows, (h_safe, ratio, remove), pruned_ok, pivot_floor, m)
+    block_k, block_q, num_warps = SCAN_TILE
     n_tiles = triton.cdiv(q_slots, block_q)
     # N:M: the kept slots each tile of pruned slots can pair with (without N:M never read: rows stands in)
     k_lo, k_hi = kept_slot_ranges(kept, kept_ok, pruned, need, m, block_q) if m else (rows, rows)
     terms = [ratio, h_safe, remove, kept, kept_ok.to(torch.int8), state.resid[rows], state.schur[rows], pruned,
              pruned_ok.to(torch.int8), pivot_floor[pruned], need.to(torch.int8), k_lo, k_hi]  # fmt: skip
     terms = [t.contiguous() for t in terms]
-    if update is not None:  # one program per tile of Z, as the plain update: partial minima per tile
-        first_a, first_b, second_a, second_b, skip_k, skip_q = update
-        part_val, part_key = _launch_update(
-            state.z, rows, (first_a, first_b), (second_a, second_b, skip_k, skip_q), (terms, d, m)
-        )
-    else:  # one program per row and range of pruned slots: it reads only the tiles the scan needs
-        n_split, tiles_per_split = tile_splits(n, n_tiles, dev, q_splits, programs_per_sm=SCAN_PROGRAMS_PER_SM)
-        part_val = torch.empty(n, n_split, dtype=torch.float64, device=dev)
-        part_key = torch.empty(n, n_split, dtype=torch.long, device=dev)
-        _scan_kernel[(n, n_split)](
-            state.z, rows.contiguous(), *terms, part_val, part_key, k_slots, q_slots, d, tiles_per_split, n_split,
-            n_tiles, M=m or 0, BLOCK_K=block_k, BLOCK_Q=block_q, num_warps=num_warps, enable_fp_fusion=False,
-        )  # fmt: skip
+    n_split, tiles_per_split = tile_splits(n, n_tiles, dev, q_splits, programs_per_sm=SCAN_PROGRAMS_PER_SM)
+    part_val = torch.empty(n, n_split, dtype=torch.float64, device=dev)
+    part_key = torch.empty(n, n_split, dtype=torch.long, device=dev)
+    _scan_kernel[(n, n_split)](
+        state.z, rows.contiguous(), *terms, part_val, part_key, k_slots, q_slots, d, tiles_per_split, n_split,
+        n_tiles, M=m or 0, BLOCK_K=block_k, BLOCK_Q=block_q, num_warps=num_warps, enable_fp_fusion=False,
+    )  # fmt: skip
     best = part_val.min(dim=1).values
     key = torch.where(part_val == best[:, None], part_key, _NO_KEY).min(dim=1).values
     found = best < float("inf")
@@ -362,7 +311,6 @@ def columns_to_scan(
     pruned_ok: torch.Tensor,
     pivot_floor: torch.Tensor,
     m: int | None,
-    update: tuple[torch.Tensor, ...] | None = None,
 ) -> torch.Tensor:
     """``[n, Q]`` bool: the pruned slots whose pairs the scan of ``rows`` must evaluate; the others cannot win or tie.
 
@@ -370,9 +318,8 @@ def columns_to_scan(
     ``THRESHOLD_COLUMNS`` columns of largest restore gain give a cost ``c`` the scan reaches; a slot whose bound
     exceeds ``c`` by the rounding margin :data:`refit_swaps.SKIP_RTOL` is not needed. Rows with a non-positive
     ``H_uu`` or a NaN ``c`` (a broken state) need every slot. ``terms``:
-    :func:`refit_swaps.removal_terms` of ``rows``; ``pruned_ok``: the restorable slots; ``update``: as
-    :func:`_scan` (the columns are taken after the update; ``Z`` is not modified). Cost: ``THRESHOLD_COLUMNS``
-    ``[n, K]`` columns.
+    :func:`refit_swaps.removal_terms` of ``rows``; ``pruned_ok``: the restorable slots (``Z`` is not modified).
+    Cost: ``THRESHOLD_COLUMNS`` ``[n, K]`` columns.
     """
     h_safe, ratio, remove = terms
     kept_ok, schur, resid, pruned = state.kept_ok[rows], state.schur[rows], state.resid[rows], state.pruned[rows]
@@ -385,12 +332,6 @@ def columns_to_scan(
     def at_top(t: torch.Tensor) -> torch.Tensor:  # [n, Q] -> [n, 1, c]
         return t.gather(1, top)[:, None, :]
 
-    if update is not None:  # the update's entries of those columns, as the kernel computes them
-        first_a, first_b, second_a, second_b, skip_k, skip_q = update
-        slots = torch.arange(column.shape[1], device=rows.device)
-        first = (slots[None, :, None] != skip_k[:, None, None]) & (top != skip_q[:, None])[:, None, :]
-        column = torch.where(first, column + first_a[:, :, None] * at_top(first_b), column)
-        column = column + second_a[:, :, None] * at_top(second_b)
     kept_terms = [t[:, :, None] for t in (h_safe, ratio, remove, state.kept[rows], kept_ok)]
     pruned_terms = [at_top(t) for t in (schur, resid, pruned, pruned_ok)]
     cost = pair_costs(column, *kept_terms, *pruned_terms, pivot_floor, m)
@@ -401,36 +342,20 @@ def columns_to_scan(
     return need & pruned_ok
 
 
-def _launch_update(
-    target: torch.Tensor,
-    rows: torch.Tensor,
-    first: tuple,
-    second: tuple | None = None,
-    scan: tuple[list[torch.Tensor], int, int | None] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor] | None:
+def _launch_update(target: torch.Tensor, rows: torch.Tensor, first: tuple, second: tuple | None = None) -> None:
     """:func:`_pair_update` over the rows' ``[A, B]`` entries of ``target``: ``first = (a, b)``; ``second = (a, b,
-    skip_a, skip_b)`` for a swap's pair of updates; ``scan = (terms, d, m)`` (``target`` is ``Z``; ``terms``: the
-    scan kernel's per-row inputs from ``ratio`` to ``k_hi``, as :func:`_scan` builds them) also scans the updated
-    tiles and returns their partial minima, ``[n, tiles]`` costs (float64) and keys (int64)."""
+    skip_a, skip_b)`` for a swap's pair of updates."""
     n, (_, size_a, size_b) = rows.numel(), target.shape
     _check_contiguous(target, "add_outer")
-    block_a, block_b, num_warps = OUTER_TILE if scan is None else SWAP_SCAN_TILE
-    grid = (n, triton.cdiv(size_a, block_a), triton.cdiv(size_b, block_b))
-    if scan is None:  # the scan's pointers are never read: rows stand in
-        terms, d, m, parts = [rows] * 13, 0, None, (rows, rows)
-    else:
-        terms, d, m = scan
-        tiles = grid[1] * grid[2]
-        parts = tuple(torch.empty(n, tiles, dtype=dt, device=rows.device) for dt in (torch.float64, torch.long))
     if n == 0 or size_a == 0 or size_b == 0:
-        return None if scan is None else parts
+        return
+    block_a, block_b, num_warps = OUTER_TILE
+    grid = (n, triton.cdiv(size_a, block_a), triton.cdiv(size_b, block_b))
     rest = [t.contiguous() for t in second] if second is not None else [first[0], first[1], rows, rows]
     _pair_update[grid](
-        target, rows.contiguous(), first[0].contiguous(), first[1].contiguous(), *rest, size_a, size_b, *terms,
-        *parts, d, BLOCK_A=block_a, BLOCK_B=block_b, PAIR=second is not None, SCAN=scan is not None, M=m or 0,
-        num_warps=num_warps, enable_fp_fusion=False,
+        target, rows.contiguous(), first[0].contiguous(), first[1].contiguous(), *rest, size_a, size_b,
+        BLOCK_A=block_a, BLOCK_B=block_b, PAIR=second is not None, num_warps=num_warps, enable_fp_fusion=False,
     )  # fmt: skip
-    return None if scan is None else parts
 
 
 def add_outer(target: torch.Tensor, rows: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -455,11 +380,12 @@ def swap_and_scan(
     rescan: bool = True,
 ) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None]:
     """:func:`refit_swaps.swap_slots` (the same state, bit for bit) with each of ``H`` and ``Z`` read and written
-    once, and with ``rescan`` the scan of the swapped rows (:func:`scan_swaps`) in the same pass over ``Z``.
+    once, and with ``rescan`` then the scan of the swapped rows (:func:`scan_swaps`).
 
     The swap's vector updates run as the reference's (:func:`refit_swaps.remove_kept`, :func:`refit_swaps.add_pruned`)
     with their four rank-one updates deferred; then one pass applies the removal's and the restore's update of ``H``
-    and one pass those of ``Z`` (and scans). ``rows``: ``[n]`` int64 distinct rows; ``slot_i``, ``slot_j``: ``[n]``
+    and one pass those of ``Z``. (A scan fused into the pass over ``Z`` was timed: no faster on an H200, BENCHMARKS.md
+    "Fused or split".) ``rows``: ``[n]`` int64 distinct rows; ``slot_i``, ``slot_j``: ``[n]``
     kept and pruned slots; the other arguments as :func:`scan_swaps`. ``state`` is modified in place.
 
     Returns:
@@ -485,8 +411,5 @@ def swap_and_scan(
     (h_a, h_b), (h_a2, h_b2) = deferred[id(state.inv)]
     _launch_update(state.inv, rows, (h_a, h_b), (h_a2, h_b2, slot_i, slot_i))
     (z_a, z_b), (z_a2, z_b2) = deferred[id(state.z)]
-    if not rescan:
-        _launch_update(state.z, rows, (z_a, z_b), (z_a2, z_b2, slot_i, slot_j))
-        return (incoming[0], p), None
-    scan = _scan(state, w64, rows, pivot_floor, m, None, (z_a, z_b, z_a2, z_b2, slot_i, slot_j))
-    return (incoming[0], p), scan
+    _launch_update(state.z, rows, (z_a, z_b), (z_a2, z_b2, slot_i, slot_j))
+    return (incoming[0], p), (scan_swaps(state, w64, rows, pivot_floor, m) if rescan else None)
