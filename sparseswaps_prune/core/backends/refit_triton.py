@@ -63,42 +63,6 @@ _NO_KEY = torch.iinfo(torch.long).max
 
 
 @triton.jit
-def _kept_terms(i, k_idx, K, ratio_ptr, h_ptr, remove_ptr, kept_ptr, kept_ok_ptr):
-    """The scan's kept-slot terms of slots ``k_idx`` of row ``i``: ``(ratio, H_uu, remove, kept input, usable)``."""
-    k_in = k_idx < K
-    ratio = tl.load(ratio_ptr + i * K + k_idx, mask=k_in, other=0.0)
-    h = tl.load(h_ptr + i * K + k_idx, mask=k_in, other=1.0)
-    remove = tl.load(remove_ptr + i * K + k_idx, mask=k_in, other=0.0)
-    kept = tl.load(kept_ptr + i * K + k_idx, mask=k_in, other=0)
-    k_ok = k_in & (tl.load(kept_ok_ptr + i * K + k_idx, mask=k_in, other=0) != 0)
-    return ratio, h, remove, kept, k_ok
-
-
-@triton.jit
-def _pruned_terms(i, q_idx, q_in, Q, resid_ptr, schur_ptr, pruned_ptr, floor_ptr, pruned_ok_ptr):
-    """The scan's pruned-slot terms of slots ``q_idx`` of row ``i`` (``q_in``: in range): ``(r_p, s_p, pruned
-    input, pivot floor, usable)``."""
-    resid = tl.load(resid_ptr + i * Q + q_idx, mask=q_in, other=0.0)
-    schur = tl.load(schur_ptr + i * Q + q_idx, mask=q_in, other=1.0)
-    pruned = tl.load(pruned_ptr + i * Q + q_idx, mask=q_in, other=0)
-    floor = tl.load(floor_ptr + i * Q + q_idx, mask=q_in, other=0.0)
-    q_ok = q_in & (tl.load(pruned_ok_ptr + i * Q + q_idx, mask=q_in, other=0) != 0)
-    return resid, schur, pruned, floor, q_ok
-
-
-@triton.jit
-def _kept_range(i, tile, n_tiles, K, k_lo_ptr, k_hi_ptr, M: tl.constexpr):
-    """The kept slots ``[k_lo, k_hi)`` that tile ``tile`` of row ``i``'s pruned slots pairs with: with N:M
-    (``M > 0``) its range from :func:`kept_slot_ranges` (``[n, n_tiles]``), else all ``K``."""
-    k_lo = 0
-    k_hi = K
-    if M > 0:
-        k_lo = tl.load(k_lo_ptr + i * n_tiles + tile)
-        k_hi = tl.load(k_hi_ptr + i * n_tiles + tile)
-    return k_lo, k_hi
-
-
-@triton.jit
 def _fold_costs(z, ok, ratio, h, remove, kept, resid, schur, pruned, floor, acc, acc_key, d, M: tl.constexpr):
     """Pair costs of a ``[BLOCK_K, BLOCK_Q]`` tile of ``Z`` folded into the running ``(cost, key)`` minimum."""
     # the reference's operations in its order (no fma: enable_fp_fusion=False at launch)
@@ -161,15 +125,24 @@ def _scan_kernel(
         q_in = q_idx < q_end
         need = tl.max(tl.load(need_ptr + i * Q + q_idx, mask=q_in, other=0).to(tl.int32), axis=0) != 0
         if need:
-            resid, schur, pruned, floor, q_ok = _pruned_terms(
-                i, q_idx, q_in, Q, resid_ptr, schur_ptr, pruned_ptr, floor_ptr, pruned_ok_ptr
-            )
-            k_lo, k_hi = _kept_range(i, q0 // BLOCK_Q, n_tiles, K, k_lo_ptr, k_hi_ptr, M)
+            resid = tl.load(resid_ptr + i * Q + q_idx, mask=q_in, other=0.0)
+            schur = tl.load(schur_ptr + i * Q + q_idx, mask=q_in, other=1.0)
+            pruned = tl.load(pruned_ptr + i * Q + q_idx, mask=q_in, other=0)
+            floor = tl.load(floor_ptr + i * Q + q_idx, mask=q_in, other=0.0)
+            q_ok = q_in & (tl.load(pruned_ok_ptr + i * Q + q_idx, mask=q_in, other=0) != 0)
+            k_lo = 0
+            k_hi = K
+            if M > 0:  # N:M: only the kept slots of the tile's blocks can pair with its pruned slots
+                k_lo = tl.load(k_lo_ptr + i * n_tiles + q0 // BLOCK_Q)
+                k_hi = tl.load(k_hi_ptr + i * n_tiles + q0 // BLOCK_Q)
             for k0 in range(k_lo, k_hi, BLOCK_K):
                 k_idx = k0 + tl.arange(0, BLOCK_K)
-                ratio, h, remove, kept, k_ok = _kept_terms(
-                    i, k_idx, K, ratio_ptr, h_ptr, remove_ptr, kept_ptr, kept_ok_ptr
-                )
+                k_in = k_idx < K
+                ratio = tl.load(ratio_ptr + i * K + k_idx, mask=k_in, other=0.0)
+                h = tl.load(h_ptr + i * K + k_idx, mask=k_in, other=1.0)
+                remove = tl.load(remove_ptr + i * K + k_idx, mask=k_in, other=0.0)
+                kept = tl.load(kept_ptr + i * K + k_idx, mask=k_in, other=0)
+                k_ok = k_in & (tl.load(kept_ok_ptr + i * K + k_idx, mask=k_in, other=0) != 0)
                 ok = k_ok[:, None] & q_ok[None, :]
                 z = tl.load(z_row + k_idx[:, None].to(tl.int64) * Q + q_idx[None, :], mask=ok, other=0.0)
                 acc, acc_key = _fold_costs(
