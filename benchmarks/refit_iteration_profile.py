@@ -1,5 +1,5 @@
 """Where the GPU time of a re-fit-objective iteration goes: ``torch.profiler`` over 3 iterations of the Triton
-engine's row scope (``refit_triton.swap_and_scan`` of the rows whose best swap lowers the loss, and their scan) on
+engine's row scope (``refit_triton.swap_slots`` of the rows whose best swap lowers the loss, then their scan) on
 ``common.random_layer`` (60%, ``--width`` inputs, ``--rows`` rows in one batch), after one warm-up iteration; prints
 the operators by CUDA time. CUDA only.
 
@@ -35,7 +35,8 @@ def main() -> None:
     def iteration() -> None:
         accept = best < 0
         moved = rows[accept]
-        _, (dl, i, j) = refit_triton.swap_and_scan(state, weight, moved, slot_i[accept], slot_j[accept], gram, floor)
+        refit_triton.swap_slots(state, moved, slot_i[accept], slot_j[accept], gram)
+        dl, i, j = refit_triton.scan_swaps(state, weight, moved, floor)
         best[accept], slot_i[accept], slot_j[accept] = dl, i, j
 
     iteration()

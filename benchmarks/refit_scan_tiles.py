@@ -3,7 +3,7 @@
 (``refit_triton.SCAN_PROGRAMS_PER_SM``), seconds per row and the bytes of ``Z`` per second (all of ``Z``, though the
 scan skips the tiles :func:`refit_triton.columns_to_scan` leaves out, so a rate over the bandwidth is possible); and
 for each tile ``(BLOCK_A, BLOCK_B, num_warps)`` of the rank-one update (``refit_triton.OUTER_TILE``), the time of an
-iteration (``swap_and_scan``: the update of ``H`` and ``Z``, then the scan), on ``common.random_layer`` (random
+iteration (``swap_slots``: the update of ``H`` and ``Z``; then ``scan_swaps``), on ``common.random_layer`` (random
 correlated Gram, Wanda mask of ``--pattern``, 60% by default or N:M). Every scan is checked against the torch
 reference (``refit_swaps.scan_swaps``): ``same`` says its costs and slots are bit-identical, and every iteration's
 state and scan against the reference's :func:`refit_swaps.swap_slots` and scan. CUDA (``--device cpu`` only under
@@ -34,7 +34,7 @@ def _copy(state: rs.RefitState) -> rs.RefitState:
 
 
 def swap_iterations(state: rs.RefitState, weight, gram, rows, floor, m: int | None, iters: int) -> tuple[float, bool]:
-    """Mean seconds of an iteration of the row scope on a copy of ``state`` (``refit_triton.swap_and_scan`` of the
+    """Mean seconds of an iteration of the row scope on a copy of ``state`` (``refit_triton.swap_slots`` of the
     rows whose best swap lowers the loss, then the scan of those rows), after one warm-up iteration; and whether
     that first iteration's state and scan are bit-identical to the reference's (``refit_swaps.swap_slots``, then
     ``refit_swaps.scan_swaps``). ``m``: the N:M block size or None."""
@@ -49,7 +49,8 @@ def swap_iterations(state: rs.RefitState, weight, gram, rows, floor, m: int | No
     def iteration() -> None:
         accept = best < 0
         moved = rows[accept]
-        _, (dl, i, j) = refit_triton.swap_and_scan(state, weight, moved, slot_i[accept], slot_j[accept], gram, floor, m)
+        refit_triton.swap_slots(state, moved, slot_i[accept], slot_j[accept], gram)
+        dl, i, j = refit_triton.scan_swaps(state, weight, moved, floor, m)
         if not checked:  # the warm-up iteration: against the reference
             got, expected = (*dataclasses.astuple(state), dl, i, j), (*dataclasses.astuple(want), *want_scan)
             checked.append(all(torch.equal(a, b) for a, b in zip(got, expected, strict=True)))

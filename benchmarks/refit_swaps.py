@@ -53,8 +53,8 @@ def measure(
     """``(k, state MiB per row, {engine: (build s/row, iteration s/row, same masks as the torch engine)},
     least-squares re-fit s/row, mask-only iteration s/row, floor s/row, (torch build s/row with H by
     cholesky_inverse, by the triangular inverse))`` for one width. An iteration is the updates of the applied swaps
-    plus the pair scan of the swapped rows (the Triton engine's in the updates' pass over ``Z``; a row whose best swap
-    does not lower ``F`` keeps its figures, as in ``refine.iterate``), averaged over ``iters`` iterations after one
+    plus the pair scan of the swapped rows (a row whose best swap does not lower ``F`` keeps its figures, as in
+    ``refine.iterate``), averaged over ``iters`` iterations after one
     warm-up iteration (the compiled engine folds its pending terms every few moves). ``pattern``: ``"60%"``,
     ``"2:4"``, ... (``search`` must be ``"nm"`` for N:M)."""
     nm = pattern_options(pattern)["nm"]
@@ -85,8 +85,8 @@ def measure(
             accept = fig.swap_dl < 0
             moved = rows[accept]
             slots = (fig.swap_a[accept].to(moved.device), fig.swap_b[accept].to(moved.device))
-            scanned = model.apply((moved, *slots), rescan=True)
-            fig.update(moved.cpu(), model.figures(moved, cross=False) if scanned is None else scanned)
+            model.apply((moved, *slots))
+            fig.update(moved.cpu(), model.figures(moved, cross=False))
 
         iteration()  # warm-up (compilation), not timed
         cuda_sync()

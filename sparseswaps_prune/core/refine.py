@@ -215,9 +215,8 @@ class MaskRows:
             out += [*remove.min(dim=1), *add.min(dim=1)]  # first index on ties: the smallest u, p
         return Figures(*(t.cpu() for t in out))
 
-    def apply(self, swaps: Moves, cross: Moves | None = None, *, rescan: bool = False) -> None:
-        """Apply ``swaps = (rows, u, p)`` and ``cross = (donor rows, u, receiver rows, p)``, in place. ``rescan`` (the
-        swapped rows are scanned next) does not change anything here: this model's search is separate."""
+    def apply(self, swaps: Moves, cross: Moves | None = None) -> None:
+        """Apply ``swaps = (rows, u, p)`` and ``cross = (donor rows, u, receiver rows, p)``, in place."""
         rows, u, p = swaps
         self.keep[rows, u] = False
         self.keep[rows, p] = True
@@ -291,7 +290,7 @@ class RefitRows:
             )
         self.w64, self.keep, self.gram64, self.lam, self.m = w64, keep, gram64, lam, m
         self.row_batch, self.numba, self.triton = row_batch, engine == "numba", engine == "triton"
-        # the torch state's kernels: scan_swaps, add_outer (and with Triton swap_and_scan)
+        # the torch state's kernels: scan_swaps, add_outer (and with Triton swap_slots)
         self.kernels = rs
         if self.triton:
             from sparseswaps_prune.core.backends import refit_triton
@@ -352,30 +351,22 @@ class RefitRows:
             else:
                 self.state = rs.grow(self.state, self.k_slots, self.q_slots)
 
-    def apply(self, swaps: Moves, cross: Moves | None = None, *, rescan: bool = False) -> Figures | None:
+    def apply(self, swaps: Moves, cross: Moves | None = None) -> None:
         """Apply ``swaps = (rows, kept slot, pruned slot)`` and ``cross = (donor rows, kept slot, receiver rows,
-        pruned slot)``, in place.
-
-        Returns:
-            With ``rescan`` and no ``cross`` on the Triton engine, the swapped rows' figures (``figures(rows,
-            cross=False)``, scanned in the update's pass over ``Z``); otherwise None.
-        """
+        pruned slot)``, in place."""
         if cross is not None:
             self._reserve(cross[0], cross[2])
         rows, slot_i, slot_j = swaps
-        scan = None
         if self.numba:
             u, p = self.state.swap(rows, slot_i, slot_j)
         elif self.triton and cross is None:
-            (u, p), scan = self.kernels.swap_and_scan(
-                self.state, self.w64, rows, slot_i, slot_j, self.gram64, self.pivot_floor, self.m, rescan=rescan
-            )
+            u, p = self.kernels.swap_slots(self.state, rows, slot_i, slot_j, self.gram64)
         else:
             u, p = rs.swap_slots(self.state, rows, slot_i, slot_j, self.gram64, self.kernels.add_outer)
         self.keep[rows, u] = False
         self.keep[rows, p] = True
         if cross is None:
-            return None if scan is None else Figures(*(t.cpu() for t in scan))
+            return
         rows, slot_i, receivers, slot_j = cross
         vacant = (~self.state.pruned_ok[rows]).to(torch.int8).argmax(dim=1)
         if self.numba:
@@ -492,11 +483,8 @@ def iterate(
             cross = tuple(t.to(device) for t in (donors, figures.remove_a[donors], receivers, figures.add_b[receivers]))
             changed = torch.cat([swaps, donors, receivers])
         rebuild = planner.rebuild_after(it, resync_every, max_iters)
-        # without cross-row moves or a rebuild, the next search is of exactly the swapped rows: an engine may scan
-        # them while it updates their state
-        rescan = not planner.cross and not rebuild and it < max_iters
         moves = tuple(t.to(device) for t in (swaps, figures.swap_a[swaps], figures.swap_b[swaps]))
-        scanned = model.apply(moves, cross, rescan=rescan)
+        model.apply(moves, cross)
         n_moves[changed] += 1
         dirty[changed] = True
         if planner.retires:
@@ -508,9 +496,7 @@ def iterate(
             model.resync(refresh.to(device))
             dirty[refresh] = False
         if it < max_iters:
-            if scanned is None:
-                scanned = model.figures(refresh.to(device), planner.cross)
-            figures.update(refresh, scanned)
+            figures.update(refresh, model.figures(refresh.to(device), planner.cross))
     return n_moves, iters
 
 

@@ -23,13 +23,13 @@ def test_sweep_checks_every_tile_shape(benchmark_script, pattern):
 
 def test_an_iteration_that_differs_from_the_reference_is_reported(benchmark_script, monkeypatch):
     bench = benchmark_script("refit_scan_tiles")
-    swap_and_scan = bench.refit_triton.swap_and_scan
+    swap_slots = bench.refit_triton.swap_slots
 
     def perturbed(state, *args, **kwargs):  # a wrong state: the check must see it
-        out = swap_and_scan(state, *args, **kwargs)
+        out = swap_slots(state, *args, **kwargs)
         state.coef.add_(state.coef.abs().max() * 1e-12)
         return out
 
-    monkeypatch.setattr(bench.refit_triton, "swap_and_scan", perturbed)
+    monkeypatch.setattr(bench.refit_triton, "swap_slots", perturbed)
     _, _, iterations = bench.sweep(64, 3, "cpu", ["4x16x1"], [4], ["8x32x1"], repeat=1)
     assert [same for _, _, same in iterations] == [False]

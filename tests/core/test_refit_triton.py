@@ -136,14 +136,14 @@ def test_updates_match_the_reference():
 @pytest.mark.parametrize("scope,nm", [("row", None), ("row", (2, 4)), ("layer", None)])
 def test_engine_chooses_the_torch_engines_swaps(scope, nm, monkeypatch):
     weight, gram, keep = _layer(6, 32, seed=7, nm=nm)
-    rescans = []
-    fused = refit_triton.swap_and_scan
+    calls = []
+    swap_slots = refit_triton.swap_slots
 
-    def spy(*args, rescan, **kwargs):
-        rescans.append(rescan)
-        return fused(*args, rescan=rescan, **kwargs)
+    def spy(*args, **kwargs):
+        calls.append(args[1].numel())
+        return swap_slots(*args, **kwargs)
 
-    monkeypatch.setattr(refit_triton, "swap_and_scan", spy)
+    monkeypatch.setattr(refit_triton, "swap_slots", spy)
     runs = {
         engine: refine_mask(
             weight, gram, keep, max_iters=40, nm=nm, objective="refit", damp=0.01, scope=scope, backend=engine
@@ -154,8 +154,8 @@ def test_engine_chooses_the_torch_engines_swaps(scope, nm, monkeypatch):
     assert runs["torch"].n_swaps.tolist() == runs["triton"].n_swaps.tolist()
     assert int(runs["triton"].n_swaps.sum()) > 0
     torch.testing.assert_close(runs["torch"].weight, runs["triton"].weight, rtol=1e-9, atol=1e-12)
-    # the row scope's swaps and next scans share a pass over Z; the layer scope's cross-row moves do not
-    assert (True in rescans) == (scope == "row")
+    if scope == "row":  # the row scope's swaps run through the Triton engine's swap_slots
+        assert sum(calls) > 0
 
 
 def test_resolve_refit_backend(monkeypatch):
@@ -189,17 +189,16 @@ def test_cuda_engine_at_a_larger_width():
 
 
 @pytest.mark.parametrize(
-    ("nm", "rescan", "tile"),
+    ("nm", "tile"),
     [
-        (None, True, None),
-        ((2, 4), True, None),
-        (None, False, None),
-        (None, True, (2, 32, 1)),
-        ((2, 4), True, (4, 8, 1)),  # N:M: narrow tiles, each with its own range of kept slots
+        (None, None),
+        ((2, 4), None),
+        (None, (2, 32, 1)),
+        ((2, 4), (4, 8, 1)),  # N:M: narrow tiles, each with its own range of kept slots
     ],
 )
-def test_swap_and_scan_is_bit_identical_to_the_reference(nm, rescan, tile, monkeypatch):
-    if tile is not None:  # several tiles per program and row: the update's edges, the scan's running minimum
+def test_swap_slots_and_the_scan_after_it_are_bit_identical_to_the_reference(nm, tile, monkeypatch):
+    if tile is not None:  # several tiles per row: the update's edges, the scan's running minimum
         monkeypatch.setattr(refit_triton, "SCAN_TILE", tile)
         monkeypatch.setattr(refit_triton, "OUTER_TILE", tile)
     weight, gram, keep = _layer(7, 300, seed=4, nm=nm)
@@ -211,13 +210,11 @@ def test_swap_and_scan_is_bit_identical_to_the_reference(nm, rescan, tile, monke
         rows = torch.tensor([6, 0, 3, 1][step:], device=DEVICE)
         _, slot_i, slot_j = rs.scan_swaps(want, weight, rows, floor, m)
         ref_up = rs.swap_slots(want, rows, slot_i, slot_j, gram)
-        got_up, scan = refit_triton.swap_and_scan(state, weight, rows, slot_i, slot_j, gram, floor, m, rescan=rescan)
+        got_up = refit_triton.swap_slots(state, rows, slot_i, slot_j, gram)
         for g, r in zip(got_up, ref_up, strict=True):
             assert torch.equal(g, r)
         for name, value in vars(want).items():
             assert torch.equal(getattr(state, name), value), name
-        if rescan:
-            for g, r in zip(scan, rs.scan_swaps(want, weight, rows, floor, m), strict=True):
-                assert torch.equal(g, r)
-        else:
-            assert scan is None
+        got, ref = refit_triton.scan_swaps(state, weight, rows, floor, m), rs.scan_swaps(want, weight, rows, floor, m)
+        for g, r in zip(got, ref, strict=True):
+            assert torch.equal(g, r)

@@ -17,10 +17,9 @@ and ``H`` materialises its outer product before adding it. Here
   (:func:`kept_slot_ranges`);
 * :func:`add_outer` adds ``a b^T`` to the rows' ``Z`` or ``H`` in one read and write (``t + a * b``, again without
   fused multiply-add, so bit-identical to the reference's ``index_add_`` of the materialised product);
-* :func:`swap_and_scan` applies a swap (the removal's and the restore's rank-one updates) with one read and write of
-  ``H`` and one of ``Z`` (the state bit-identical to the reference's :func:`refit_swaps.swap_slots`), then scans
-  the swapped rows: an iteration of the row scope reads and writes ``Z`` once and reads again only the tiles the
-  bound leaves.
+* :func:`swap_slots` applies a swap (the removal's and the restore's rank-one updates) with one read and write of
+  ``H`` and one of ``Z`` (the state bit-identical to the reference's :func:`refit_swaps.swap_slots`); the scan of
+  the swapped rows that follows reads again only the tiles the bound leaves.
 
 The state build and a restore's vector ``G[p, S] Z`` (a product with the shared Gram) stay in torch. Cross-row moves
 (layer scope): :func:`refit_swaps.remove_kept` etc. with ``outer=add_outer``; the engines choose the same swaps.
@@ -340,33 +339,24 @@ def add_outer(target: torch.Tensor, rows: torch.Tensor, a: torch.Tensor, b: torc
     _launch_update(target, rows, (a, b))
 
 
-def swap_and_scan(
-    state: RefitState,
-    w64: torch.Tensor,
-    rows: torch.Tensor,
-    slot_i: torch.Tensor,
-    slot_j: torch.Tensor,
-    gram64: torch.Tensor,
-    pivot_floor: torch.Tensor,
-    m: int | None = None,
-    *,
-    rescan: bool = True,
-) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None]:
+def swap_slots(
+    state: RefitState, rows: torch.Tensor, slot_i: torch.Tensor, slot_j: torch.Tensor, gram64: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`refit_swaps.swap_slots` (the same state, bit for bit) with each of ``H`` and ``Z`` read and written
-    once, and with ``rescan`` then the scan of the swapped rows (:func:`scan_swaps`).
+    once.
 
     The swap's vector updates run as the reference's (:func:`refit_swaps.remove_kept`, :func:`refit_swaps.add_pruned`)
     with their four rank-one updates deferred; then one pass applies the removal's and the restore's update of ``H``
-    and one pass those of ``Z``. (A scan fused into the pass over ``Z`` was timed: no faster on an H200, BENCHMARKS.md
-    "Fused or split".) ``rows``: ``[n]`` int64 distinct rows; ``slot_i``, ``slot_j``: ``[n]``
-    kept and pruned slots; the other arguments as :func:`scan_swaps`. ``state`` is modified in place.
+    and one pass those of ``Z``. ``rows``: ``[n]`` int64 distinct rows; ``slot_i``, ``slot_j``: ``[n]`` kept and
+    pruned slots; ``gram64``: ``[d, d]`` float64. ``state`` is modified in place. (A scan of the swapped rows fused
+    into the pass over ``Z`` was timed: no faster on an H200, BENCHMARKS.md "Fused or split"; the caller scans
+    them with :func:`scan_swaps`.)
 
     Returns:
-        ``(u, p)`` ``[n]`` the pruned and the restored inputs, and with ``rescan`` the scan of ``rows`` after the
-        swap (else None).
+        ``(u, p)`` ``[n]`` the pruned and the restored inputs.
     """
-    _check_contiguous(state.inv, "swap_and_scan")
-    _check_contiguous(state.z, "swap_and_scan")
+    _check_contiguous(state.inv, "swap_slots")
+    _check_contiguous(state.z, "swap_slots")
     rows, slot_i, slot_j = (t.to(state.z.device) for t in (rows, slot_i, slot_j))
     ar = torch.arange(rows.numel(), device=rows.device)
     deferred: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {id(state.inv): [], id(state.z): []}
@@ -385,4 +375,4 @@ def swap_and_scan(
     _launch_update(state.inv, rows, (h_a, h_b), (h_a2, h_b2, slot_i, slot_i))
     (z_a, z_b), (z_a2, z_b2) = deferred[id(state.z)]
     _launch_update(state.z, rows, (z_a, z_b), (z_a2, z_b2, slot_i, slot_j))
-    return (incoming[0], p), (scan_swaps(state, w64, rows, pivot_floor, m) if rescan else None)
+    return incoming[0], p
