@@ -30,6 +30,10 @@ if [ "$stage" = refit ]; then
   step 200 python3 benchmarks/refit_swaps.py --device cuda --widths 14336 --rows 32
   # 2:4: the scan evaluates only the kept slots of each tile's blocks (refit_triton.kept_slot_ranges)
   step 100 python3 benchmarks/refit_swaps.py --device cuda --widths 576 1536 4096 --rows 16 --pattern 2:4
+  # the slot counts rounded to 16 (refit_triton.SLOT_ALIGN: 16-byte loads and stores) against the exact counts
+  for align in 1 16; do
+    step 60 python3 benchmarks/refit_swaps.py --device cuda --widths 4096 --rows 256 --slot-align $align
+  done
   # where an iteration's GPU time goes (the update's passes over H and Z, the scan, the torch terms)
   step 60 python3 benchmarks/refit_iteration_profile.py --width 4096 --rows 256
 fi

@@ -81,7 +81,8 @@ def sweep(
     nm = pattern_options(pattern)["nm"]
     m = nm[1] if nm else None
     weight, gram, keep = (t.to(device) for t in random_layer(d_in, n_rows, pattern, dtype=torch.float64))
-    k, q = int(keep.sum(1).max()), d_in - int(keep.sum(1).min())
+    # the slot counts the engine uses (refit_triton.aligned_slots)
+    k, q = (refit_triton.aligned_slots(n, d_in) for n in (int(keep.sum(1).max()), d_in - int(keep.sum(1).min())))
     lam = damping(gram, 0.01)
     state = rs.build_state(weight, keep, gram, lam, k, q)
     floor = rs.pivot_floor(gram, lam)

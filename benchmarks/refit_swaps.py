@@ -11,10 +11,12 @@ factor ``L`` of ``G_SS + lambda I`` and the Schur complement ``s_p = G_pp + lamb
 pruned ``p`` (one triangular solve against all of ``G[S, P]``, ``k^2 (d_in - k)`` flops), which the pair scan's
 bound ``dF >= -r_p^2 / s_p`` needs before it can skip any column; and the torch state build with ``H`` formed both
 ways (``build_state(triangular_inverse=...)``: ``torch.cholesky_inverse``, the CPU default, or the factor's
-triangular inverse and a product, the CUDA default). Figures go to BENCHMARKS.md only from a quiet machine.
+triangular inverse and a product, the CUDA default). ``--slot-align`` sets ``refit_triton.SLOT_ALIGN`` (the
+Triton engine's slot counts are rounded up to a multiple of it; 1: the exact counts). Figures go to BENCHMARKS.md
+only from a quiet machine.
 
     python benchmarks/refit_swaps.py [--device cpu] [--widths 576 1536 4096] [--rows 8] [--iters 8] [--threads N]
-                                     [--pattern 60%|2:4]
+                                     [--pattern 60%|2:4] [--slot-align 16]
 """
 
 from __future__ import annotations
@@ -121,12 +123,19 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=8, help="re-fit iterations averaged per engine")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     parser.add_argument("--pattern", default="60%", help="e.g. 60%% or 2:4")
+    parser.add_argument("--slot-align", type=int, default=None, help="refit_triton.SLOT_ALIGN (default: as is)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    align = ""
+    if triton_available():
+        from sparseswaps_prune.core.backends import refit_triton
+
+        refit_triton.SLOT_ALIGN = args.slot_align or refit_triton.SLOT_ALIGN
+        align = f", Triton slots aligned to {refit_triton.SLOT_ALIGN}"
     print(
         f"machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
-        f"torch {torch.__version__}, device {args.device}, {args.rows} rows per batch, {args.pattern}"
+        f"torch {torch.__version__}, device {args.device}, {args.rows} rows per batch, {args.pattern}{align}"
     )
     print(
         f"{'d_in':>5} {'k':>5} {'state MiB/row':>13} {'engine':>6} {'build s/row':>11} {'refit it s/row':>14} "

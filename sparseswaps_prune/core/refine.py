@@ -281,6 +281,14 @@ class RefitRows:
         counts = keep.sum(dim=1)
         self.k_slots = min(d, int(counts.max()) + int(cross))
         self.q_slots = min(d, int((d - counts).max()) + int(cross))
+        self.row_batch, self.numba, self.triton = row_batch, engine == "numba", engine == "triton"
+        # the torch state's kernels: scan_swaps, add_outer (and with Triton swap_slots)
+        self.kernels = rs
+        if self.triton:
+            from sparseswaps_prune.core.backends import refit_triton
+
+            self.kernels = refit_triton
+            self._align_slots(d)
         need = rows * (self.k_slots**2 + self.k_slots * self.q_slots) * 8
         if cross and need > LAYER_STATE_BYTES:
             raise ValueError(
@@ -289,13 +297,6 @@ class RefitRows:
                 "limit (refine.LAYER_STATE_BYTES); use scope='row' (memory bounded by row_batch) or objective='mask'"
             )
         self.w64, self.keep, self.gram64, self.lam, self.m = w64, keep, gram64, lam, m
-        self.row_batch, self.numba, self.triton = row_batch, engine == "numba", engine == "triton"
-        # the torch state's kernels: scan_swaps, add_outer (and with Triton swap_slots)
-        self.kernels = rs
-        if self.triton:
-            from sparseswaps_prune.core.backends import refit_triton
-
-            self.kernels = refit_triton
         self.row_index = (torch.arange(rows) if row_index is None else row_index.cpu()).to(w64.device)
         self.pivot_floor = rs.pivot_floor(gram64, lam)
         self.rounding = rs.ACCEPT_RTOL * ((w64 @ gram64) * w64).sum(dim=1)
@@ -338,6 +339,10 @@ class RefitRows:
             ]
         return Figures(*(t.cpu() for t in out))
 
+    def _align_slots(self, d: int) -> None:
+        """Round the slot counts up for the Triton kernels (:func:`refit_triton.aligned_slots`; ``d``: inputs)."""
+        self.k_slots, self.q_slots = (self.kernels.aligned_slots(n, d) for n in (self.k_slots, self.q_slots))
+
     def _reserve(self, donors: torch.Tensor, receivers: torch.Tensor) -> None:
         """Add vacant slots when a donor has no vacant pruned slot or a receiver no vacant kept slot."""
         d = self.w64.shape[1]
@@ -346,6 +351,8 @@ class RefitRows:
         if k_full or q_full:
             self.k_slots = min(d, self.k_slots + (max(1, self.k_slots // 16) if k_full else 0))
             self.q_slots = min(d, self.q_slots + (max(1, self.q_slots // 16) if q_full else 0))
+            if self.triton:
+                self._align_slots(d)
             if self.numba:
                 self.state.grow(self.k_slots, self.q_slots)
             else:

@@ -12,6 +12,7 @@ pytest.importorskip("triton")
 from sparseswaps_prune import refine_mask, warmstart_mask  # noqa: E402
 from sparseswaps_prune.core import refit_swaps as rs  # noqa: E402
 from sparseswaps_prune.core.backends import refit_triton, resolve_refit_backend  # noqa: E402
+from sparseswaps_prune.core.refine import RefitRows  # noqa: E402
 from sparseswaps_prune.core.refit import damping  # noqa: E402
 
 
@@ -218,3 +219,13 @@ def test_swap_slots_and_the_scan_after_it_are_bit_identical_to_the_reference(nm,
         got, ref = refit_triton.scan_swaps(state, weight, rows, floor, m), rs.scan_swaps(want, weight, rows, floor, m)
         for g, r in zip(got, ref, strict=True):
             assert torch.equal(g, r)
+
+
+def test_the_engines_slot_counts_are_aligned_for_the_kernels():
+    weight, gram, keep = _layer(5, 72, seed=9)  # 29 kept and 43 pruned inputs per row at most
+    model = RefitRows(weight, keep.clone(), gram, lam=damping(gram, 0.01), m=None, row_batch=5, cross=False,
+                      engine="triton")  # fmt: skip
+    assert (model.k_slots, model.q_slots) == (32, 48) == tuple(model.state.z.shape[1:])
+    torch_model = RefitRows(weight, keep.clone(), gram, lam=damping(gram, 0.01), m=None, row_batch=5, cross=False)
+    assert torch_model.k_slots < 32 and torch_model.q_slots < 48  # the other engines keep the counts
+    assert refit_triton.aligned_slots(70, 72) == 72  # never past d_in

@@ -58,7 +58,18 @@ SCAN_PROGRAMS_PER_SM = 4
 # that an N:M row's threshold comes from a pair its block allows (the N:M test layer asks for at most 12 of about
 # 150 pruned slots per row to be evaluated).
 THRESHOLD_COLUMNS = 4
+# The Triton engine's slot counts K and Q are rounded up to a multiple of this (vacant slots, at most d_in each):
+# Triton specializes integer arguments divisible by 16, so with the row strides of H (K) and Z (Q) multiples of 16
+# it can prove every row 16-byte aligned and emits 16-byte loads and stores (PTX ld/st.global.v2.b64) in the passes
+# over H and Z instead of 8-byte ones (checked in the sm_90 PTX; A/B on a GPU: refit_swaps.py --slot-align 1).
+SLOT_ALIGN = 16
 _NO_KEY = torch.iinfo(torch.long).max
+
+
+def aligned_slots(n_slots: int, d: int) -> int:
+    """``n_slots`` rounded up to a multiple of :data:`SLOT_ALIGN`, at most ``d`` (a state holds at most ``d`` slots
+    of each kind)."""
+    return min(d, -(-n_slots // SLOT_ALIGN) * SLOT_ALIGN)
 
 
 @triton.jit
