@@ -25,7 +25,8 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=256)
     args = parser.parse_args()
     weight, gram, keep = (t.cuda() for t in random_layer(args.width, args.rows, "60%", dtype=torch.float64))
-    k, q = int(keep.sum(1).max()), args.width - int(keep.sum(1).min())
+    counts = (int(keep.sum(1).max()), args.width - int(keep.sum(1).min()))
+    k, q = (refit_triton.aligned_slots(n, args.width) for n in counts)  # the slot counts the engine uses
     lam = damping(gram, 0.01)
     state = rs.build_state(weight, keep, gram, lam, k, q)
     floor = rs.pivot_floor(gram, lam)
