@@ -50,6 +50,48 @@ def random_layer(
     return weight, gram, warmstart_mask(weight, "wanda", gram=gram, **pattern_options(pattern))
 
 
+def triton_refit_layer(
+    d_in: int, rows: int, pattern: str, device: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, rs.RefitState, torch.Tensor, int | None]:
+    """:func:`random_layer` (float64, on ``device``) and the Triton engine's re-fit state of its mask, with the slot
+    counts the engine uses (``refit_triton.aligned_slots``) and ``damp = 0.01``: ``(weight, gram, keep, state, pivot
+    floor [d_in], N:M block size or None)``. Needs triton."""
+    from sparseswaps_prune.core.backends import refit_triton
+    from sparseswaps_prune.core.refit import damping
+
+    nm = pattern_options(pattern)["nm"]
+    weight, gram, keep = (t.to(device) for t in random_layer(d_in, rows, pattern, dtype=torch.float64))
+    counts = keep.sum(dim=1)
+    k, q = (refit_triton.aligned_slots(n, d_in) for n in (int(counts.max()), d_in - int(counts.min())))
+    lam = damping(gram, 0.01)
+    state = rs.build_state(weight, keep, gram, lam, k, q)
+    return weight, gram, keep, state, rs.pivot_floor(gram, lam), nm[1] if nm else None
+
+
+def triton_refit_iteration(
+    state: rs.RefitState,
+    weight: torch.Tensor,
+    gram: torch.Tensor,
+    rows: torch.Tensor,
+    floor: torch.Tensor,
+    m: int | None,
+    figures: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One iteration of the Triton engine's row scope as ``refine.iterate`` runs it: ``refit_triton.swap_slots`` of
+    the ``rows`` whose best swap lowers the loss (``figures``: their ``(dF, kept slot, pruned slot)`` ``[n]``,
+    updated in place with the new scan), then ``refit_triton.scan_swaps`` of those rows, whose result it returns.
+    ``state`` is modified in place."""
+    from sparseswaps_prune.core.backends import refit_triton
+
+    best, slot_i, slot_j = figures
+    accept = best < 0
+    moved = rows[accept]
+    refit_triton.swap_slots(state, moved, slot_i[accept], slot_j[accept], gram)
+    scan = refit_triton.scan_swaps(state, weight, moved, floor, m)
+    best[accept], slot_i[accept], slot_j[accept] = scan
+    return scan
+
+
 def timed(fn: Callable[[], Any], repeat: int = 3) -> float:
     """Mean seconds of ``fn()`` over ``repeat`` calls after one warm-up call (compilation), CUDA synchronised."""
     fn()

@@ -11,12 +11,10 @@ from __future__ import annotations
 import argparse
 
 import torch
-from common import random_layer
+from common import triton_refit_iteration, triton_refit_layer
 from torch.profiler import ProfilerActivity, profile
 
-from sparseswaps_prune.core import refit_swaps as rs
 from sparseswaps_prune.core.backends import refit_triton
-from sparseswaps_prune.core.refit import damping
 
 
 def main() -> None:
@@ -24,21 +22,12 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=4096)
     parser.add_argument("--rows", type=int, default=256)
     args = parser.parse_args()
-    weight, gram, keep = (t.cuda() for t in random_layer(args.width, args.rows, "60%", dtype=torch.float64))
-    counts = (int(keep.sum(1).max()), args.width - int(keep.sum(1).min()))
-    k, q = (refit_triton.aligned_slots(n, args.width) for n in counts)  # the slot counts the engine uses
-    lam = damping(gram, 0.01)
-    state = rs.build_state(weight, keep, gram, lam, k, q)
-    floor = rs.pivot_floor(gram, lam)
+    weight, gram, _, state, floor, _ = triton_refit_layer(args.width, args.rows, "60%", "cuda")
     rows = torch.arange(args.rows, device="cuda")
-    best, slot_i, slot_j = refit_triton.scan_swaps(state, weight, rows, floor)
+    figures = refit_triton.scan_swaps(state, weight, rows, floor)
 
     def iteration() -> None:
-        accept = best < 0
-        moved = rows[accept]
-        refit_triton.swap_slots(state, moved, slot_i[accept], slot_j[accept], gram)
-        dl, i, j = refit_triton.scan_swaps(state, weight, moved, floor)
-        best[accept], slot_i[accept], slot_j[accept] = dl, i, j
+        triton_refit_iteration(state, weight, gram, rows, floor, None, figures)
 
     iteration()
     torch.cuda.synchronize()

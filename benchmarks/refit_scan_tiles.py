@@ -19,11 +19,10 @@ import argparse
 import dataclasses
 
 import torch
-from common import pattern_options, random_layer, timed
+from common import timed, triton_refit_iteration, triton_refit_layer
 
 from sparseswaps_prune.core import refit_swaps as rs
 from sparseswaps_prune.core.backends import refit_triton
-from sparseswaps_prune.core.refit import damping
 
 SCAN_TILES = ["4x256x4", "2x512x4", "4x128x4", "8x64x4", "16x64x4", "32x64x8", "16x32x4", "8x128x8"]
 UPDATE_TILES = ["8x512x8", "4x512x4", "8x512x4", "4x1024x8", "16x256x8", "2x512x2", "8x256x4"]
@@ -39,22 +38,18 @@ def swap_iterations(state: rs.RefitState, weight, gram, rows, floor, m: int | No
     that first iteration's state and scan are bit-identical to the reference's (``refit_swaps.swap_slots``, then
     ``refit_swaps.scan_swaps``). ``m``: the N:M block size or None."""
     state = _copy(state)
-    best, slot_i, slot_j = refit_triton.scan_swaps(state, weight, rows, floor, m)
-    accept = best < 0
+    figures = refit_triton.scan_swaps(state, weight, rows, floor, m)
+    accept = figures[0] < 0
     want = _copy(state)
-    rs.swap_slots(want, rows[accept], slot_i[accept], slot_j[accept], gram)
+    rs.swap_slots(want, rows[accept], figures[1][accept], figures[2][accept], gram)
     want_scan = rs.scan_swaps(want, weight, rows[accept], floor, m)
     checked: list[bool] = []
 
     def iteration() -> None:
-        accept = best < 0
-        moved = rows[accept]
-        refit_triton.swap_slots(state, moved, slot_i[accept], slot_j[accept], gram)
-        dl, i, j = refit_triton.scan_swaps(state, weight, moved, floor, m)
+        scan = triton_refit_iteration(state, weight, gram, rows, floor, m, figures)
         if not checked:  # the warm-up iteration: against the reference
-            got, expected = (*dataclasses.astuple(state), dl, i, j), (*dataclasses.astuple(want), *want_scan)
+            got, expected = (*dataclasses.astuple(state), *scan), (*dataclasses.astuple(want), *want_scan)
             checked.append(all(torch.equal(a, b) for a, b in zip(got, expected, strict=True)))
-        best[accept], slot_i[accept], slot_j[accept] = dl, i, j
 
     return timed(iteration, iters), checked[0]
 
@@ -78,20 +73,14 @@ def sweep(
     """``(bytes of Z, [(scan tile, programs per SM, scan seconds for all rows, same as the reference)], [(update
     tile, iteration seconds for all rows, same as the reference)])`` at one width (the default scan tile and
     programs for the iterations, the default update tile for the scans)."""
-    nm = pattern_options(pattern)["nm"]
-    m = nm[1] if nm else None
-    weight, gram, keep = (t.to(device) for t in random_layer(d_in, n_rows, pattern, dtype=torch.float64))
-    # the slot counts the engine uses (refit_triton.aligned_slots)
-    k, q = (refit_triton.aligned_slots(n, d_in) for n in (int(keep.sum(1).max()), d_in - int(keep.sum(1).min())))
-    lam = damping(gram, 0.01)
-    state = rs.build_state(weight, keep, gram, lam, k, q)
-    floor = rs.pivot_floor(gram, lam)
+    weight, gram, keep, state, floor, m = triton_refit_layer(d_in, n_rows, pattern, device)
     rows = torch.arange(n_rows, device=device)
     reference = rs.scan_swaps(state, weight, rows, floor, m)
     needed = refit_triton.columns_to_scan(
         state, rows, rs.removal_terms(state, rows), rs.restorable(state, weight, rows), floor, m
     )
     mean_needed = float(needed.sum(1).float().mean())
+    q = d_in - int(keep.sum(1).min())  # the pruned inputs (the state has vacant slots beyond them)
     print(f"{d_in:>5} {n_rows:>4} slots the scan evaluates (columns_to_scan): {mean_needed:.1f} of {q} per row")
 
     def scan() -> tuple[torch.Tensor, ...]:

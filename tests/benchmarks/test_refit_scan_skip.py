@@ -33,4 +33,4 @@ def test_skip_counts_count_the_tiles_the_kernel_evaluates(benchmark_script, nm):
         if nm is None:  # every kept slot of an evaluated tile
             assert z_share == pytest.approx(tile_share)
         else:  # only the kept slots of the tile's blocks: 32 of the scan's pruned slots need 32 of 150 kept slots
-            assert 0 < z_share < (tile_share / 2 if name == "scan" else tile_share)
+            assert 0 < z_share < tile_share / 2
