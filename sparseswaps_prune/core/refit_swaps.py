@@ -66,7 +66,9 @@ class RefitState:
         kept_ok: ``[R, K]`` bool, slot holds a kept input.
         pruned: ``[R, Q]`` int64 input held by each pruned slot (0 where vacant).
         pruned_ok: ``[R, Q]`` bool, slot holds a pruned input.
-        inv: ``[R, K, K]`` ``H = (G_SS + lambda I)^{-1}`` (zero rows and columns at vacant slots).
+        inv: ``[R, K, K]`` ``H = (G_SS + lambda I)^{-1}`` (zero rows and columns at vacant slots). ``H`` is
+            symmetric and read only on and above its diagonal (:func:`inv_column`): an engine may leave the
+            entries below it stale (the Triton engine's swaps update only the upper triangle).
         coef: ``[R, K]`` re-fitted weights ``v = H b_S``.
         resid: ``[R, Q]`` ``r_p = b_p - G[p, S] v`` (0 at vacant slots).
         schur: ``[R, Q]`` ``s_p`` (1 at vacant slots).
@@ -87,6 +89,20 @@ class RefitState:
         """Overwrite rows ``rows`` with ``other`` (same slot counts), in place."""
         for f in fields(self):
             getattr(self, f.name)[rows] = getattr(other, f.name)
+
+    def same_as(self, other: RefitState) -> bool:
+        """Whether the two states are bit-identical where they are read (``H`` on and above its diagonal)."""
+        return all(
+            torch.equal(*(getattr(t, f.name).triu() if f.name == "inv" else getattr(t, f.name) for t in (self, other)))
+            for f in fields(self)
+        )
+
+
+def inv_column(state: RefitState, rows: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+    """``[n, K]`` column ``H[:, slot[n]]`` of each row ``rows[n]``, read on and above the diagonal: ``H[x, slot]``
+    for ``x <= slot``, ``H[slot, x]`` below (``H`` is symmetric; its lower triangle may be stale)."""
+    above = torch.arange(state.inv.shape[1], device=slot.device)[None, :] <= slot[:, None]
+    return torch.where(above, state.inv[rows, :, slot], state.inv[rows, slot, :])
 
 
 def pruned_slots(keep: torch.Tensor, n_pruned_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -334,7 +350,7 @@ def remove_kept(state: RefitState, rows: torch.Tensor, slot: torch.Tensor, outer
     for :func:`place_pruned` or :func:`add_pruned`.
     """
     ar = torch.arange(rows.numel(), device=rows.device)
-    h = state.inv[rows, :, slot]  # [n, K] column H[:, u]
+    h = inv_column(state, rows, slot)  # [n, K] column H[:, u]
     h_uu = h[ar, slot]
     ratio = state.coef[rows, slot] / h_uu
     z_row = state.z[rows, slot, :]  # [n, Q]

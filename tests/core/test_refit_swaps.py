@@ -170,6 +170,23 @@ def test_state_updates_match_a_rebuild():
         assert torch.allclose(state.schur[r, pi], fresh.schur[r, fp], rtol=1e-9, atol=1e-9)
 
 
+def test_swaps_read_h_only_on_and_above_its_diagonal():
+    weight, gram = layer_problem(4, 24, seed=6)
+    keep = warmstart_mask(weight, "wanda", gram=gram, sparsity=0.5)
+    state, lam = state_of(weight, gram, keep, 0.01)
+    stale = rs.RefitState(*(t.clone() for t in vars(state).values()))
+    below = torch.ones_like(state.inv[0], dtype=torch.bool).tril(-1)
+    stale.inv[:, below] = float("nan")  # what an engine that updates only the upper triangle may leave there
+    rows, floor = torch.arange(4), rs.pivot_floor(gram, lam)
+    slot = torch.tensor([0, 3, 5, 11])
+    assert torch.equal(rs.inv_column(stale, rows, slot), state.inv[rows, :, slot])  # H is symmetric when built
+    for _ in range(4):
+        _, slot_i, slot_j = rs.scan_swaps(state, weight, rows, floor)
+        rs.swap_slots(state, rows, slot_i, slot_j, gram)
+        rs.swap_slots(stale, rows, slot_i, slot_j, gram)
+    assert stale.same_as(state) and not torch.equal(stale.inv, state.inv)
+
+
 def test_every_build_variant_gives_the_same_state():
     weight, gram = layer_problem(6, 24, seed=3)
     keep = warmstart_mask(weight, "wanda", sparsity=0.6, gram=gram, scope="layer")  # unequal row counts

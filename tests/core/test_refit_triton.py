@@ -215,7 +215,11 @@ def test_swap_slots_and_the_scan_after_it_are_bit_identical_to_the_reference(nm,
         for g, r in zip(got_up, ref_up, strict=True):
             assert torch.equal(g, r)
         for name, value in vars(want).items():
-            assert torch.equal(getattr(state, name), value), name
+            if name != "inv":
+                assert torch.equal(getattr(state, name), value), name
+        # H on and above its diagonal (all that is read); the kernel leaves the entries below it stale
+        assert torch.equal(state.inv.triu(), want.inv.triu()) and state.same_as(want)
+        assert not torch.equal(state.inv, want.inv)
         got, ref = refit_triton.scan_swaps(state, weight, rows, floor, m), rs.scan_swaps(want, weight, rows, floor, m)
         for g, r in zip(got, ref, strict=True):
             assert torch.equal(g, r)

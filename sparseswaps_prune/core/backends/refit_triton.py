@@ -18,8 +18,9 @@ and ``H`` materialises its outer product before adding it. Here
 * :func:`add_outer` adds ``a b^T`` to the rows' ``Z`` or ``H`` in one read and write (``t + a * b``, again without
   fused multiply-add, so bit-identical to the reference's ``index_add_`` of the materialised product);
 * :func:`swap_slots` applies a swap (the removal's and the restore's rank-one updates) with one read and write of
-  ``H`` and one of ``Z`` (the state bit-identical to the reference's :func:`refit_swaps.swap_slots`); the scan of
-  the swapped rows that follows reads again only the tiles the bound leaves.
+  ``H``'s upper triangle (``H`` is symmetric and read only there) and one of ``Z`` (the state bit-identical to the
+  reference's :func:`refit_swaps.swap_slots` where it is read, :meth:`RefitState.same_as`); the scan of the swapped
+  rows that follows reads again only the tiles the bound leaves.
 
 The state build and a restore's vector ``G[p, S] Z`` (a product with the shared Gram) stay in torch. Cross-row moves
 (layer scope): :func:`refit_swaps.remove_kept` etc. with ``outer=add_outer``; the engines choose the same swaps.
@@ -167,11 +168,16 @@ def _scan_kernel(
 @triton.jit
 def _pair_update(
     t_ptr, rows_ptr, first_a_ptr, first_b_ptr, second_a_ptr, second_b_ptr, skip_a_ptr, skip_b_ptr, A, B,
-    BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, PAIR: tl.constexpr,
+    BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, PAIR: tl.constexpr, UPPER: tl.constexpr,
 ):  # fmt: skip
     """``t[rows[i]] += first_a[i] first_b[i]^T`` on one tile; with ``PAIR``, instead
     ``t = (t + first_a first_b^T, except on row skip_a[i] and column skip_b[i]) + second_a second_b^T``: a swap's
-    removal and restore updates in one read and write (its row and column there were written before)."""
+    removal and restore updates in one read and write (its row and column there were written before). With
+    ``UPPER`` only the entries on and above the diagonal of a symmetric ``t`` (``H``), and the one left of the
+    diagonal where it shares a 16-byte pair with it."""
+    if UPPER:
+        if (tl.program_id(2) + 1) * BLOCK_B <= tl.program_id(1) * BLOCK_A:
+            return  # the tile lies below the diagonal
     i = tl.program_id(0).to(tl.int64)
     a_idx = tl.program_id(1) * BLOCK_A + tl.arange(0, BLOCK_A)
     b_idx = tl.program_id(2) * BLOCK_B + tl.arange(0, BLOCK_B)
@@ -180,6 +186,8 @@ def _pair_update(
     b = tl.load(first_b_ptr + i * B + b_idx, mask=b_in, other=0.0)
     ptrs = t_ptr + tl.load(rows_ptr + i) * A * B + a_idx[:, None].to(tl.int64) * B + b_idx[None, :]
     ok = a_in[:, None] & b_in[None, :]
+    if UPPER:  # by pairs of columns, so that the mask stays uniform over a 16-byte load (PTX ld.global.v2.b64)
+        ok = ok & ((b_idx // 2 * 2 + 1)[None, :] >= a_idx[:, None])
     t = tl.load(ptrs, mask=ok, other=0.0)
     if PAIR:
         first = (a_idx != tl.load(skip_a_ptr + i))[:, None] & (b_idx != tl.load(skip_b_ptr + i))[None, :]
@@ -325,9 +333,11 @@ def columns_to_scan(
     return need & pruned_ok
 
 
-def _launch_update(target: torch.Tensor, rows: torch.Tensor, first: tuple, second: tuple | None = None) -> None:
+def _launch_update(
+    target: torch.Tensor, rows: torch.Tensor, first: tuple, second: tuple | None = None, upper: bool = False
+) -> None:
     """:func:`_pair_update` over the rows' ``[A, B]`` entries of ``target``: ``first = (a, b)``; ``second = (a, b,
-    skip_a, skip_b)`` for a swap's pair of updates."""
+    skip_a, skip_b)`` for a swap's pair of updates; ``upper``: only the entries on and above the diagonal."""
     n, (_, size_a, size_b) = rows.numel(), target.shape
     _check_contiguous(target, "add_outer")
     if n == 0 or size_a == 0 or size_b == 0:
@@ -337,7 +347,8 @@ def _launch_update(target: torch.Tensor, rows: torch.Tensor, first: tuple, secon
     rest = [t.contiguous() for t in second] if second is not None else [first[0], first[1], rows, rows]
     _pair_update[grid](
         target, rows.contiguous(), first[0].contiguous(), first[1].contiguous(), *rest, size_a, size_b,
-        BLOCK_A=block_a, BLOCK_B=block_b, PAIR=second is not None, num_warps=num_warps, enable_fp_fusion=False,
+        BLOCK_A=block_a, BLOCK_B=block_b, PAIR=second is not None, UPPER=upper, num_warps=num_warps,
+        enable_fp_fusion=False,
     )  # fmt: skip
 
 
@@ -353,12 +364,13 @@ def add_outer(target: torch.Tensor, rows: torch.Tensor, a: torch.Tensor, b: torc
 def swap_slots(
     state: RefitState, rows: torch.Tensor, slot_i: torch.Tensor, slot_j: torch.Tensor, gram64: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`refit_swaps.swap_slots` (the same state, bit for bit) with each of ``H`` and ``Z`` read and written
-    once.
+    """:func:`refit_swaps.swap_slots` (the same state, bit for bit where it is read: :meth:`RefitState.same_as`) with
+    ``H``'s upper triangle and ``Z`` each read and written once.
 
     The swap's vector updates run as the reference's (:func:`refit_swaps.remove_kept`, :func:`refit_swaps.add_pruned`)
-    with their four rank-one updates deferred; then one pass applies the removal's and the restore's update of ``H``
-    and one pass those of ``Z``. ``rows``: ``[n]`` int64 distinct rows; ``slot_i``, ``slot_j``: ``[n]`` kept and
+    with their four rank-one updates deferred; then one pass applies the removal's and the restore's update of
+    ``H`` on and above its diagonal (the entries below stay stale: half of ``H``'s traffic) and one pass those of
+    ``Z``. ``rows``: ``[n]`` int64 distinct rows; ``slot_i``, ``slot_j``: ``[n]`` kept and
     pruned slots; ``gram64``: ``[d, d]`` float64. ``state`` is modified in place. (A scan of the swapped rows fused
     into the pass over ``Z`` was timed: no faster on an H200, BENCHMARKS.md "Fused or split"; the caller scans
     them with :func:`scan_swaps`.)
@@ -383,7 +395,7 @@ def swap_slots(
     column[ar, slot_i] = 0.0  # the removed row of Z
     add_pruned(state, rows, slot_j, slot_i, gram64, incoming, defer, column=column)
     (h_a, h_b), (h_a2, h_b2) = deferred[id(state.inv)]
-    _launch_update(state.inv, rows, (h_a, h_b), (h_a2, h_b2, slot_i, slot_i))
+    _launch_update(state.inv, rows, (h_a, h_b), (h_a2, h_b2, slot_i, slot_i), upper=True)
     (z_a, z_b), (z_a2, z_b2) = deferred[id(state.z)]
     _launch_update(state.z, rows, (z_a, z_b), (z_a2, z_b2, slot_i, slot_j))
     return incoming[0], p
