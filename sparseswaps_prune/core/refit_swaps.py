@@ -173,17 +173,26 @@ def build_state(
         cross = gram64[pruned[:, :, None], kept[:, None, :]]
         cross[~pruned_ok] = 0.0  # vacant pruned slots: zero Z there
         z = cross @ inv  # Z^T = G[P, S] H
-        fitted, quad = (cross @ coef[:, :, None]).squeeze(2), (cross * z).sum(dim=2)  # G[p, S] v, G[p, S] Z[:, p]
+        fitted, quad = (cross @ coef[:, :, None]).squeeze(2), _product_sums(cross, z, 2)  # G[p, S] v, G[p, S] Z[:, p]
         z = z.mT
     else:
         cross = gram64[kept[:, :, None], pruned[:, None, :]]
         cross.mT[~pruned_ok] = 0.0
         z = inv @ cross
-        fitted, quad = torch.einsum("rkq,rk->rq", cross, coef), (cross * z).sum(dim=1)  # (an einsum is slower)
+        fitted, quad = torch.einsum("rkq,rk->rq", cross, coef), _product_sums(cross, z, 1)  # (an einsum is slower)
     resid = torch.where(pruned_ok, target.gather(1, pruned) - fitted, 0.0)
     schur = torch.where(pruned_ok, torch.diagonal(gram64)[pruned] + lam - quad, 1.0)
     # the state is row-major like the preallocated one rows are assigned into, the layout the Triton engine addresses
     return RefitState(kept, kept_ok, pruned, pruned_ok, inv.contiguous(), coef, resid, schur, z)
+
+
+def _product_sums(a: torch.Tensor, b: torch.Tensor, dim: int) -> torch.Tensor:
+    """``(a * b).sum(dim)`` of two ``[R, ...]`` tensors, bit for bit; on the CPU row by row: there the batch's
+    temporary product (0.5 GB for 16 rows at 4096 inputs) is a fresh buffer whose page faults cost more than the
+    product (BENCHMARKS.md, "Re-fit-objective swaps")."""
+    if a.device.type != "cpu":
+        return (a * b).sum(dim=dim)
+    return torch.stack([(x * y).sum(dim=dim - 1) for x, y in zip(a, b, strict=True)])
 
 
 def restorable(state: RefitState, w64: torch.Tensor, rows: torch.Tensor | slice = slice(None)) -> torch.Tensor:

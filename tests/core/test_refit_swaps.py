@@ -170,6 +170,13 @@ def test_state_updates_match_a_rebuild():
         assert torch.allclose(state.schur[r, pi], fresh.schur[r, fp], rtol=1e-9, atol=1e-9)
 
 
+@pytest.mark.parametrize("dim", [1, 2])
+def test_product_sums_are_the_batched_products_sums_bit_for_bit(dim):
+    gen = torch.Generator().manual_seed(3)
+    a, b = (torch.randn(4, 37, 53, generator=gen, dtype=torch.float64) for _ in range(2))
+    assert torch.equal(rs._product_sums(a, b, dim), (a * b).sum(dim=dim))
+
+
 def test_swaps_read_h_only_on_and_above_its_diagonal():
     weight, gram = layer_problem(4, 24, seed=6)
     keep = warmstart_mask(weight, "wanda", gram=gram, sparsity=0.5)

@@ -1,0 +1,21 @@
+"""benchmarks/refit_iteration_profile.py: the profile of the state's build runs on the CPU; iterations need CUDA."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+pytest.importorskip("triton")  # the script imports the Triton engine's slot alignment (common.triton_refit_layer)
+
+
+def test_the_build_profile_runs_on_the_cpu_and_iterations_ask_for_cuda(benchmark_script, monkeypatch, capsys):
+    bench = benchmark_script("refit_iteration_profile")
+    monkeypatch.setattr(sys, "argv", ["x", "--build", "--device", "cpu", "--width", "64", "--rows", "3"])
+    bench.main()
+    out = capsys.readouterr().out
+    assert "CPU, torch" in out and "64 inputs, 3 rows, 60%, 2 builds" in out and "aten::cholesky_inverse" in out
+    monkeypatch.setattr(sys, "argv", ["x", "--device", "cpu"])
+    with pytest.raises(SystemExit):
+        bench.main()
+    assert "CUDA only" in capsys.readouterr().err
