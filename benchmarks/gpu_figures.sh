@@ -19,17 +19,18 @@ if [ "$stage" = short ]; then
   # larger row batches: the torch engine's launches are shared by more rows (not measured yet)
   step 150 python3 benchmarks/refit_swaps.py --device cuda --widths 576 1536 4096 --rows 64
 fi
-# the re-fit objective's engines (torch, triton) at 2 to 256 rows per batch: ~4 min on an H200, then 2:4 (<= 100 s)
+# the re-fit objective's engines (torch, triton) at 2 to 1536 rows per batch, profiles: ~5 min on an H200, then 2:4
 if [ "$stage" = refit ]; then
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   python3 -c "import torch, triton; print(torch.__version__, triton.__version__)"
   step 90 python3 -m pytest -q -p no:cacheprovider tests/core/test_refit_triton.py tests/core/test_triton.py
-  # the slot counts rounded to 16 (refit_triton.SLOT_ALIGN: 16-byte loads and stores) against the exact counts
-  for align in 1 16; do
-    step 60 python3 benchmarks/refit_swaps.py --device cuda --widths 4096 --rows 256 --slot-align $align
-  done
-  # where an iteration's GPU time goes (the update's passes over H and Z, the scan, the torch terms)
+  # where an iteration's GPU time goes (the update's passes over H and Z, the scan, the torch terms), at 8B's width
+  # and at the default model's (a whole layer per batch: bound by the per-call costs, BENCHMARKS.md "Half of H")
   step 60 python3 benchmarks/refit_iteration_profile.py --width 4096 --rows 256
+  step 60 python3 benchmarks/refit_iteration_profile.py --width 576 --rows 1536
+  step 60 python3 benchmarks/refit_swaps.py --device cuda --widths 576 1536 --rows 1536
+  # where the build's time goes at down_proj's width (5.2x a least-squares re-fit there, 0.66x at 4096)
+  step 120 python3 benchmarks/refit_iteration_profile.py --build --width 14336 --rows 32
   for rows in 2 16 256; do
     step 100 python3 benchmarks/refit_swaps.py --device cuda --widths 576 1536 4096 --rows $rows
   done
