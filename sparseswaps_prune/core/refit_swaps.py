@@ -92,10 +92,13 @@ class RefitState:
 
     def same_as(self, other: RefitState) -> bool:
         """Whether the two states are bit-identical where they are read (``H`` on and above its diagonal)."""
-        return all(
-            torch.equal(*(getattr(t, f.name).triu() if f.name == "inv" else getattr(t, f.name) for t in (self, other)))
-            for f in fields(self)
-        )
+        for f in fields(self):
+            mine, theirs = getattr(self, f.name), getattr(other, f.name)
+            if f.name == "inv":
+                mine, theirs = mine.triu(), theirs.triu()
+            if not torch.equal(mine, theirs):
+                return False
+        return True
 
 
 def inv_column(state: RefitState, rows: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
@@ -189,7 +192,7 @@ def build_state(
 def _product_sums(a: torch.Tensor, b: torch.Tensor, dim: int) -> torch.Tensor:
     """``(a * b).sum(dim)`` of two ``[R, ...]`` tensors, bit for bit; on the CPU row by row: there the batch's
     temporary product (0.5 GB for 16 rows at 4096 inputs) is a fresh buffer whose page faults cost more than the
-    product (BENCHMARKS.md, "Re-fit-objective swaps")."""
+    product (BENCHMARKS.md, "The Schur complements row by row on the CPU")."""
     if a.device.type != "cpu":
         return (a * b).sum(dim=dim)
     return torch.stack([(x * y).sum(dim=dim - 1) for x, y in zip(a, b, strict=True)])
