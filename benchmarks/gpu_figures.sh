@@ -29,6 +29,10 @@ if [ "$stage" = refit ]; then
   step 60 python3 benchmarks/refit_iteration_profile.py --width 4096 --rows 256
   step 60 python3 benchmarks/refit_iteration_profile.py --width 576 --rows 1536
   step 60 python3 benchmarks/refit_swaps.py --device cuda --widths 576 1536 --rows 1536
+  # the default row batch (REFIT_CUDA_FRACTION: 11 rows at 14336 and ~146 at 4096 on an H200) against larger ones:
+  # time per row and peak memory, to choose the fraction
+  step 150 python3 benchmarks/refit_row_batch.py --device cuda --width 14336 --rows 64 --row-batches 32
+  step 120 python3 benchmarks/refit_row_batch.py --device cuda --width 4096 --rows 512 --row-batches 256
   # where the build's time goes at down_proj's width (5.2x a least-squares re-fit there, 0.66x at 4096)
   step 120 python3 benchmarks/refit_iteration_profile.py --build --width 14336 --rows 32
   for rows in 2 16 256; do
