@@ -301,8 +301,9 @@ class RefitRows:
         self.pivot_floor = rs.pivot_floor(gram64, lam)
         self.rounding = rs.ACCEPT_RTOL * ((w64 @ gram64) * w64).sum(dim=1)
         if self.numba:
-            self.state = NumbaRefitState(w64, keep, gram64, lam, self.k_slots, self.q_slots, m)
-            self.resync(torch.arange(rows, device=w64.device))
+            self.state = NumbaRefitState(
+                w64, keep, gram64, lam, self.k_slots, self.q_slots, m, row_offset=self.row_index
+            )  # built on construction
         elif cross or rows > row_batch:  # fill a preallocated (contiguous) state, row batch by row batch
             self.state = _empty_state(rows, self.k_slots, self.q_slots, w64.device)
             self.resync(torch.arange(rows, device=w64.device))

@@ -128,6 +128,7 @@ def build_state(
     row_offset: int | torch.Tensor = 0,
     triangular_inverse: bool | None = None,
     transposed_z: bool = False,
+    z_out: torch.Tensor | None = None,
 ) -> RefitState:
     """Re-fit state of every row from scratch, ``O(k^2 (d_in - k) + k^3)`` per row: the Cholesky factor ``L`` of
     ``G_SS + lambda I``, then ``H``, and ``v = H b_S``, ``Z = H G[S, P]`` as batched matrix products (on the CPU
@@ -144,6 +145,9 @@ def build_state(
             CUDA (BENCHMARKS.md, "GPU"). The two agree to rounding. None: True on CUDA, False elsewhere.
         transposed_z: form ``Z^T = G[P, S] H`` (``[R, Q, K]``, a column of ``Z`` contiguous: the numba engine's
             layout) and return ``z`` as its ``[R, K, Q]`` transpose view.
+        z_out: a contiguous float64 buffer the product is written into, ``[R, Q, K]`` with ``transposed_z`` (the
+            returned ``z`` is its transpose view), else ``[R, K, Q]``: e.g. rows of the caller's state, which then
+            need no copy of the state's largest part.
 
     Returns:
         A new :class:`RefitState` (float64 on ``w64``'s device, every tensor contiguous but ``z`` with
@@ -175,13 +179,13 @@ def build_state(
     if transposed_z:
         cross = gram64[pruned[:, :, None], kept[:, None, :]]
         cross[~pruned_ok] = 0.0  # vacant pruned slots: zero Z there
-        z = cross @ inv  # Z^T = G[P, S] H
+        z = torch.matmul(cross, inv, out=z_out)  # Z^T = G[P, S] H
         fitted, quad = (cross @ coef[:, :, None]).squeeze(2), _product_sums(cross, z, 2)  # G[p, S] v, G[p, S] Z[:, p]
         z = z.mT
     else:
         cross = gram64[kept[:, :, None], pruned[:, None, :]]
         cross.mT[~pruned_ok] = 0.0
-        z = inv @ cross
+        z = torch.matmul(inv, cross, out=z_out)
         fitted, quad = torch.einsum("rkq,rk->rq", cross, coef), _product_sums(cross, z, 1)  # (an einsum is slower)
     resid = torch.where(pruned_ok, target.gather(1, pruned) - fitted, 0.0)
     schur = torch.where(pruned_ok, torch.diagonal(gram64)[pruned] + lam - quad, 1.0)

@@ -177,6 +177,18 @@ def test_product_sums_are_the_batched_products_sums_bit_for_bit(dim):
     assert torch.equal(rs._product_sums(a, b, dim), (a * b).sum(dim=dim))
 
 
+@pytest.mark.parametrize("transposed", [False, True])
+def test_the_build_writes_z_into_a_given_buffer_bit_for_bit(transposed):
+    weight, gram = layer_problem(5, 30, seed=8)
+    keep = warmstart_mask(weight, "wanda", gram=gram, sparsity=0.6)
+    lam, (k, q) = damping(gram, 0.01), (12, 18)
+    want = rs.build_state(weight, keep, gram, lam, k, q, transposed_z=transposed)
+    buffer = torch.full((5, q, k) if transposed else (5, k, q), float("nan"), dtype=torch.float64)
+    got = rs.build_state(weight, keep, gram, lam, k, q, transposed_z=transposed, z_out=buffer)
+    assert torch.equal(got.z, want.z) and got.z.data_ptr() == buffer.data_ptr()
+    assert torch.equal(got.schur, want.schur) and torch.equal(got.resid, want.resid)
+
+
 def test_swaps_read_h_only_on_and_above_its_diagonal():
     weight, gram = layer_problem(4, 24, seed=6)
     keep = warmstart_mask(weight, "wanda", gram=gram, sparsity=0.5)

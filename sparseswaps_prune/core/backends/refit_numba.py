@@ -298,6 +298,14 @@ def _restore_all(
 BUILD_ELEMENTS = 1 << 22
 
 
+def _as_slice(rows: torch.Tensor) -> torch.Tensor | slice:
+    """``rows`` (``[n]`` int64) as a slice when they are consecutive and ascending, else as they are."""
+    n = rows.numel()
+    if n and int(rows[-1]) - int(rows[0]) == n - 1 and bool((rows.diff() == 1).all()):
+        return slice(int(rows[0]), int(rows[0]) + n)
+    return rows
+
+
 class NumbaRefitState:
     """Float64 re-fit state of ``R`` rows for the compiled engine (CPU tensors; the kernels work on their numpy
     views, in place).
@@ -314,6 +322,12 @@ class NumbaRefitState:
             :meth:`build` only; neither is modified). gram64: ``[d, d]`` float64 Gram; lam: absolute damping.
         k_slots, q_slots: kept and pruned slot counts. m: N:M block size, or None.
         factor_slots: pending terms per row before a fold (even, >= 2; default ``FACTOR_SLOTS``).
+        row_offset: layer indices of the rows (``[R]`` int64) or of row 0 (int), for the singular-system error.
+
+    Every row is built on construction (:meth:`build`).
+
+    Raises:
+        ValueError: tensors off the CPU, a bad ``factor_slots``, or a singular ``G_SS + lambda I`` (names the rows).
     """
 
     def __init__(
@@ -327,6 +341,7 @@ class NumbaRefitState:
         m: int | None,
         *,
         factor_slots: int | None = None,
+        row_offset: int | torch.Tensor = 0,
     ) -> None:
         if w64.device.type != "cpu":
             raise ValueError(f"the numba re-fit engine runs on the CPU; got tensors on {w64.device}")
@@ -339,32 +354,35 @@ class NumbaRefitState:
         self.floor = (1e-10 * (torch.diagonal(self.gram64) + lam)).contiguous()  # refit_swaps.pivot_floor
         rows = w64.shape[0]
         long, f64 = {"dtype": torch.long}, {"dtype": torch.float64}
-        self.kept = torch.zeros(rows, k_slots, **long)
-        self.kept_ok = torch.zeros(rows, k_slots, dtype=torch.bool)
-        self.pruned = torch.zeros(rows, q_slots, **long)
-        self.pruned_ok = torch.zeros(rows, q_slots, dtype=torch.bool)
-        self.inv = torch.zeros(rows, k_slots, k_slots, **f64)
-        self.hdiag = torch.zeros(rows, k_slots, **f64)
-        self.coef = torch.zeros(rows, k_slots, **f64)
-        self.resid = torch.zeros(rows, q_slots, **f64)
-        self.schur = torch.ones(rows, q_slots, **f64)
-        self.zt = torch.zeros(rows, q_slots, k_slots, **f64)
+        # every row is built below: no need to zero what the build writes (the zeroing pass costs as much as a copy)
+        self.kept = torch.empty(rows, k_slots, **long)
+        self.kept_ok = torch.empty(rows, k_slots, dtype=torch.bool)
+        self.pruned = torch.empty(rows, q_slots, **long)
+        self.pruned_ok = torch.empty(rows, q_slots, dtype=torch.bool)
+        self.inv = torch.empty(rows, k_slots, k_slots, **f64)
+        self.hdiag = torch.empty(rows, k_slots, **f64)
+        self.coef = torch.empty(rows, k_slots, **f64)
+        self.resid = torch.empty(rows, q_slots, **f64)
+        self.schur = torch.empty(rows, q_slots, **f64)
+        self.zt = torch.empty(rows, q_slots, k_slots, **f64)
         self.fa = torch.zeros(rows, factor_slots, k_slots, **f64)
         self.fc = torch.zeros(rows, factor_slots, **f64)
         self.fb = torch.zeros(rows, factor_slots, q_slots, **f64)
         self.rank = torch.zeros(rows, **long)
         self.visited = 0  # pruned columns visited by the scans so far (statistics)
+        self.build(torch.arange(rows), row_offset=row_offset, pending=False)
 
     @property
     def slots(self) -> tuple[int, int]:
         """``(K, Q)``."""
         return self.kept.shape[1], self.pruned.shape[1]
 
-    def build(self, rows: torch.Tensor, *, row_offset: int | torch.Tensor = 0) -> None:
+    def build(self, rows: torch.Tensor, *, row_offset: int | torch.Tensor = 0, pending: bool = True) -> None:
         """Rebuild rows ``rows`` (``[n]`` int64) from ``keep`` from scratch, in place, by
         :func:`~sparseswaps_prune.core.refit_swaps.build_state` (Cholesky of ``G_SS + lambda I``,
         ``H0 = (G_SS + lambda I)^{-1}``, ``v``, ``Z0 = H0 G[S, P]``, ``r``, ``s``); no pending terms.
         ``row_offset``: layer indices of ``rows`` (tensor) or of row 0 (int), for the singular-system error.
+        ``pending``: the rows may hold pending terms, to be cleared (False: they hold none).
 
         Raises:
             ValueError: ``G_SS + lambda I`` is not positive definite for some rows (names them; raise ``damp``).
@@ -375,15 +393,18 @@ class NumbaRefitState:
         for c0 in range(0, rows.numel(), chunk):
             sub = rows[c0 : c0 + chunk]
             batch = names[c0 : c0 + chunk]
+            into = _as_slice(sub)  # consecutive rows: Z^T built in place, plain copies instead of indexed writes
             fresh = build_state(
                 self.w64[sub], self.keep[sub], self.gram64, self.lam, k_slots, q_slots, row_offset=batch,
-                transposed_z=True,
+                transposed_z=True, z_out=self.zt[into] if isinstance(into, slice) else None,
             )  # fmt: skip
             for name in ("kept", "kept_ok", "pruned", "pruned_ok", "inv", "coef", "resid", "schur"):
-                getattr(self, name)[sub] = getattr(fresh, name)
-            self.hdiag[sub] = torch.diagonal(fresh.inv, dim1=1, dim2=2)
-            self.zt[sub] = fresh.z.mT
-            self.fa[sub], self.fc[sub], self.fb[sub], self.rank[sub] = 0.0, 0.0, 0.0, 0
+                getattr(self, name)[into] = getattr(fresh, name)
+            self.hdiag[into] = torch.diagonal(fresh.inv, dim1=1, dim2=2)
+            if not isinstance(into, slice):
+                self.zt[into] = fresh.z.mT
+            if pending:
+                self.fa[into], self.fc[into], self.fb[into], self.rank[into] = 0.0, 0.0, 0.0, 0
 
     def scan(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Best swap of every row in ``rows`` (``[n]`` int64): ``dF`` ``[n]`` float64 (``+inf`` where no feasible
