@@ -370,19 +370,18 @@ class NumbaRefitState:
         self.fb = torch.zeros(rows, factor_slots, q_slots, **f64)
         self.rank = torch.zeros(rows, **long)
         self.visited = 0  # pruned columns visited by the scans so far (statistics)
-        self.build(torch.arange(rows), row_offset=row_offset, pending=False)
+        self.build(torch.arange(rows), row_offset=row_offset)
 
     @property
     def slots(self) -> tuple[int, int]:
         """``(K, Q)``."""
         return self.kept.shape[1], self.pruned.shape[1]
 
-    def build(self, rows: torch.Tensor, *, row_offset: int | torch.Tensor = 0, pending: bool = True) -> None:
+    def build(self, rows: torch.Tensor, *, row_offset: int | torch.Tensor = 0) -> None:
         """Rebuild rows ``rows`` (``[n]`` int64) from ``keep`` from scratch, in place, by
         :func:`~sparseswaps_prune.core.refit_swaps.build_state` (Cholesky of ``G_SS + lambda I``,
         ``H0 = (G_SS + lambda I)^{-1}``, ``v``, ``Z0 = H0 G[S, P]``, ``r``, ``s``); no pending terms.
         ``row_offset``: layer indices of ``rows`` (tensor) or of row 0 (int), for the singular-system error.
-        ``pending``: the rows may hold pending terms, to be cleared (False: they hold none).
 
         Raises:
             ValueError: ``G_SS + lambda I`` is not positive definite for some rows (names them; raise ``damp``).
@@ -403,7 +402,7 @@ class NumbaRefitState:
             self.hdiag[into] = torch.diagonal(fresh.inv, dim1=1, dim2=2)
             if not isinstance(into, slice):
                 self.zt[into] = fresh.z.mT
-            if pending:
+            if bool(self.rank[into].any()):  # pending terms to clear (entries past a row's rank are zero)
                 self.fa[into], self.fc[into], self.fb[into], self.rank[into] = 0.0, 0.0, 0.0, 0
 
     def scan(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
