@@ -2,7 +2,8 @@
 
 For each width d_in at ``--pattern`` (60% per row by default, or N:M; Wanda warmstart on a random correlated layer),
 prints per row and per re-fit engine (the torch reference and, on the CPU, the compiled numba engine, on CUDA the
-fused Triton kernels; ``same``: the engine applied the reference's swaps in every timed iteration): the time to
+fused Triton kernels and the lazy state with the Triton scan; ``same``: the engine applied the first engine's swaps
+in every timed iteration): the time to
 build the float64 re-fit state (Cholesky of G_SS + lambda I, H, v, r, s and Z = H G[S, P]: O(k^2 (d_in - k))) and of
 one re-fit iteration (the updates of the applied swaps, then the pair scan of the swapped rows), against a
 least-squares re-fit of the same mask (refit_weights) and one mask-only iteration (best_swaps on the default
@@ -16,7 +17,7 @@ Triton engine's slot counts are rounded up to a multiple of it; 1: the exact cou
 only from a quiet machine.
 
     python benchmarks/refit_swaps.py [--device cpu] [--widths 576 1536 4096] [--rows 8] [--iters 8] [--threads N]
-                                     [--pattern 60%|2:4] [--slot-align 16]
+                                     [--pattern 60%|2:4] [--slot-align 16] [--engines triton lazy]
 """
 
 from __future__ import annotations
@@ -50,14 +51,22 @@ def schur_floor(weight: torch.Tensor, gram: torch.Tensor, keep: torch.Tensor, la
 
 
 def measure(
-    d_in: int, n_rows: int, device: str, damp: float, search: str, iters: int, pattern: str = "60%"
+    d_in: int,
+    n_rows: int,
+    device: str,
+    damp: float,
+    search: str,
+    iters: int,
+    pattern: str = "60%",
+    engines: list[str] | None = None,
 ) -> tuple[int, float, dict[str, tuple[float, float, bool]], float, float, float, tuple[float, float]]:
-    """``(k, state MiB per row, {engine: (build s/row, iteration s/row, same masks as the torch engine)},
+    """``(k, state MiB per row, {engine: (build s/row, iteration s/row, same masks as the first engine)},
     least-squares re-fit s/row, mask-only iteration s/row, floor s/row, (torch build s/row with H by
     cholesky_inverse, by the triangular inverse))`` for one width. An iteration is the updates of the applied swaps
     plus the pair scan of the swapped rows (a row whose best swap does not lower ``F`` keeps its figures, as in
     ``refine.iterate``), averaged over ``iters`` iterations after one
-    warm-up iteration (the compiled engine folds its pending terms every few moves). ``pattern``: ``"60%"``,
+    warm-up iteration (the lazy engines fold their pending terms every few moves). ``engines``: ``RefitRows``
+    engines (default: torch and numba on the CPU; torch, triton and lazy on CUDA). ``pattern``: ``"60%"``,
     ``"2:4"``, ... (``search`` must be ``"nm"`` for N:M)."""
     nm = pattern_options(pattern)["nm"]
     weight, gram, keep = (t.to(device) for t in random_layer(d_in, n_rows, pattern, dtype=torch.float64))
@@ -70,7 +79,9 @@ def measure(
         timed(lambda tri=tri: build_state(weight, keep, gram, lam, k, q, triangular_inverse=tri), BUILD_REPEAT) / n_rows
         for tri in (False, True)
     )
-    engines = ["torch", "numba"] if weight.device.type == "cpu" else ["torch"] + ["triton"] * triton_available()
+    if engines is None:
+        cpu = weight.device.type == "cpu"
+        engines = ["torch", "numba"] if cpu else ["torch"] + ["triton", "lazy"] * triton_available()
     figures, masks = {}, {}
     for engine in engines:
 
@@ -97,7 +108,7 @@ def measure(
             iteration()
         cuda_sync()
         masks[engine] = model.keep
-        same = torch.equal(model.keep, masks["torch"])
+        same = torch.equal(model.keep, masks[engines[0]])
         figures[engine] = (build_s / n_rows, (time.perf_counter() - start) / iters / n_rows, same)
     ls = timed(lambda: refit_weights(weight, gram, keep, damp=damp), repeat=BUILD_REPEAT)
     w32, g32 = weight.float(), gram.float()
@@ -124,6 +135,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     parser.add_argument("--pattern", default="60%", help="e.g. 60%% or 2:4")
     parser.add_argument("--slot-align", type=int, default=None, help="refit_triton.SLOT_ALIGN (default: as is)")
+    parser.add_argument("--engines", nargs="+", default=None, help="e.g. triton lazy (default: all of the device's)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -145,7 +157,7 @@ def main() -> None:
     search = resolve_backend("auto", torch.device(args.device), pattern_options(args.pattern)["nm"])
     for d_in in args.widths:
         k, mib, figures, ls, mask_it, floor, (by_potri, by_trsm) = measure(
-            d_in, args.rows, args.device, args.damp, search, args.iters, args.pattern
+            d_in, args.rows, args.device, args.damp, search, args.iters, args.pattern, args.engines
         )
         for engine, (build, refit_it, same) in figures.items():
             print(

@@ -41,7 +41,8 @@ import numpy as np
 import torch
 
 from sparseswaps_prune.core import refit_swaps as rs
-from sparseswaps_prune.core.backends import best_swaps, resolve_backend, resolve_refit_backend
+from sparseswaps_prune.core.backends import best_swaps, resolve_backend, resolve_refit_backend, triton_available
+from sparseswaps_prune.core.backends.refit_lazy import LazyRefitState
 from sparseswaps_prune.core.backends.refit_numba import NumbaRefitState
 from sparseswaps_prune.core.checks import (
     check_budget,
@@ -236,8 +237,9 @@ class MaskRows:
 class RefitRows:
     """Re-fit-objective row model of ``N`` rows: one :class:`~sparseswaps_prune.core.refit_swaps.RefitState`
     (``engine="torch"``, or ``"triton"``: the same state through the fused kernels of
-    :mod:`~sparseswaps_prune.core.backends.refit_triton`) or
-    :class:`~sparseswaps_prune.core.backends.refit_numba.NumbaRefitState` (``engine="numba"``, CPU); handles = slots.
+    :mod:`~sparseswaps_prune.core.backends.refit_triton`) or a lazy state with pending rank-one terms,
+    :class:`~sparseswaps_prune.core.backends.refit_numba.NumbaRefitState` (``engine="numba"``, CPU) or
+    :class:`~sparseswaps_prune.core.backends.refit_lazy.LazyRefitState` (``engine="lazy"``); handles = slots.
     The engines choose the same swaps (the float64 argmin, ties to the smallest input indices).
 
     Attributes:
@@ -270,8 +272,10 @@ class RefitRows:
             cross: rows will trade weights (layer scope): every row gets a spare kept and pruned slot (more are
                 added when needed), and the whole state must fit in ``LAYER_STATE_BYTES``.
             row_index: ``[N]`` int64 layer indices of the rows, for error messages (default ``0 .. N - 1``).
-            engine: ``"torch"`` (the reference, any device), ``"numba"`` (compiled, CPU tensors only) or
-                ``"triton"`` (fused kernels, CUDA tensors, or CPU ones in the Triton interpreter).
+            engine: ``"torch"`` (the reference, any device), ``"numba"`` (compiled, CPU tensors only),
+                ``"triton"`` (fused kernels, CUDA tensors, or CPU ones in the Triton interpreter) or ``"lazy"``
+                (:class:`~sparseswaps_prune.core.backends.refit_lazy.LazyRefitState`, any device: the numba
+                engine's pending rank-one terms in torch, its scan the Triton kernel on CUDA).
 
         Raises:
             ValueError: a singular ``G_SS + lambda I`` (names the rows), or (``cross``) a state over
@@ -281,14 +285,17 @@ class RefitRows:
         counts = keep.sum(dim=1)
         self.k_slots = min(d, int(counts.max()) + int(cross))
         self.q_slots = min(d, int((d - counts).max()) + int(cross))
-        self.row_batch, self.numba, self.triton = row_batch, engine == "numba", engine == "triton"
+        # lazy: the state with pending rank-one terms, whose scan and moves are its methods
+        self.row_batch, self.lazy, self.triton = row_batch, engine in ("numba", "lazy"), engine == "triton"
         # the torch state's kernels: scan_swaps, add_outer (and with Triton swap_slots)
         self.kernels = rs
         if self.triton:
             from sparseswaps_prune.core.backends import refit_triton
 
             self.kernels = refit_triton
-            self._align_slots(d)
+        # slot counts rounded up where Triton kernels read the state (refit_triton.aligned_slots)
+        self.aligned = self.triton or (engine == "lazy" and w64.device.type == "cuda" and triton_available())
+        self._align_slots(d)
         need = rows * (self.k_slots**2 + self.k_slots * self.q_slots) * 8
         if cross and need > LAYER_STATE_BYTES:
             raise ValueError(
@@ -300,10 +307,16 @@ class RefitRows:
         self.row_index = (torch.arange(rows) if row_index is None else row_index.cpu()).to(w64.device)
         self.pivot_floor = rs.pivot_floor(gram64, lam)
         self.rounding = rs.ACCEPT_RTOL * ((w64 @ gram64) * w64).sum(dim=1)
-        if self.numba:
-            self.state = NumbaRefitState(
-                w64, keep, gram64, lam, self.k_slots, self.q_slots, m, row_offset=self.row_index
-            )  # built on construction
+        if self.lazy:
+            if engine == "numba":
+                self.state = NumbaRefitState(
+                    w64, keep, gram64, lam, self.k_slots, self.q_slots, m, row_offset=self.row_index
+                )  # built on construction
+            else:
+                self.state = LazyRefitState(
+                    w64, keep, gram64, lam, self.k_slots, self.q_slots, m, row_offset=self.row_index,
+                    triton_scan=self.aligned,
+                )  # fmt: skip
         elif cross or rows > row_batch:  # fill a preallocated (contiguous) state, row batch by row batch
             self.state = _empty_state(rows, self.k_slots, self.q_slots, w64.device)
             self.resync(torch.arange(rows, device=w64.device))
@@ -313,7 +326,7 @@ class RefitRows:
 
     def resync(self, rows: torch.Tensor) -> None:
         """Rebuild the state of ``rows`` (``[n]`` int64) from scratch (Cholesky), in row batches, in place."""
-        if self.numba:
+        if self.lazy:
             self.state.build(rows, row_offset=self.row_index[rows])
             return
         for r0 in range(0, rows.numel(), self.row_batch):
@@ -327,12 +340,10 @@ class RefitRows:
     def figures(self, rows: torch.Tensor, cross: bool) -> Figures:
         """Best swap of every row in ``rows`` (``[n]`` int64); with ``cross`` also the cheapest removal and the best
         restore (handles are slots)."""
-        if self.numba:
+        if self.lazy:
             out = list(self.state.scan(rows))
-            if cross:
-                out += [*self.state.best_removals(rows), *self.state.best_additions(rows)]
-            return Figures(*out)
-        out = list(self.kernels.scan_swaps(self.state, self.w64, rows, self.pivot_floor, self.m))
+        else:
+            out = list(self.kernels.scan_swaps(self.state, self.w64, rows, self.pivot_floor, self.m))
         if cross:
             out += [
                 *rs.best_removals(self.state, rows),
@@ -341,8 +352,12 @@ class RefitRows:
         return Figures(*(t.cpu() for t in out))
 
     def _align_slots(self, d: int) -> None:
-        """Round the slot counts up for the Triton kernels (:func:`refit_triton.aligned_slots`; ``d``: inputs)."""
-        self.k_slots, self.q_slots = (self.kernels.aligned_slots(n, d) for n in (self.k_slots, self.q_slots))
+        """Round the slot counts up where Triton kernels read the state (:func:`refit_triton.aligned_slots`;
+        ``d``: inputs)."""
+        if self.aligned:
+            from sparseswaps_prune.core.backends.refit_triton import aligned_slots
+
+            self.k_slots, self.q_slots = (aligned_slots(n, d) for n in (self.k_slots, self.q_slots))
 
     def _reserve(self, donors: torch.Tensor, receivers: torch.Tensor) -> None:
         """Add vacant slots when a donor has no vacant pruned slot or a receiver no vacant kept slot."""
@@ -352,9 +367,8 @@ class RefitRows:
         if k_full or q_full:
             self.k_slots = min(d, self.k_slots + (max(1, self.k_slots // 16) if k_full else 0))
             self.q_slots = min(d, self.q_slots + (max(1, self.q_slots // 16) if q_full else 0))
-            if self.triton:
-                self._align_slots(d)
-            if self.numba:
+            self._align_slots(d)
+            if self.lazy:
                 self.state.grow(self.k_slots, self.q_slots)
             else:
                 self.state = rs.grow(self.state, self.k_slots, self.q_slots)
@@ -365,7 +379,7 @@ class RefitRows:
         if cross is not None:
             self._reserve(cross[0], cross[2])
         rows, slot_i, slot_j = swaps
-        if self.numba:
+        if self.lazy:
             u, p = self.state.swap(rows, slot_i, slot_j)
         elif self.triton and cross is None:
             u, p = self.kernels.swap_slots(self.state, rows, slot_i, slot_j, self.gram64)
@@ -377,7 +391,7 @@ class RefitRows:
             return
         rows, slot_i, receivers, slot_j = cross
         vacant = (~self.state.pruned_ok[rows]).to(torch.int8).argmax(dim=1)
-        if self.numba:
+        if self.lazy:
             u = self.state.remove(rows, slot_i, vacant)
         else:
             incoming = rs.remove_kept(self.state, rows, slot_i, self.kernels.add_outer)
@@ -386,7 +400,7 @@ class RefitRows:
         self.keep[rows, u] = False
         p = self.state.pruned[receivers, slot_j]
         vacant = (~self.state.kept_ok[receivers]).to(torch.int8).argmax(dim=1)
-        if self.numba:
+        if self.lazy:
             self.state.add(receivers, slot_j, vacant)
         else:
             rs.add_pruned(self.state, receivers, slot_j, vacant, self.gram64, outer=self.kernels.add_outer)
@@ -395,7 +409,7 @@ class RefitRows:
 
     def fitted(self) -> torch.Tensor:
         """``[N, d]`` float64 re-fitted weights of the current masks (zero off the mask)."""
-        if self.numba:
+        if self.lazy:
             return self.state.fitted()
         return rs.fitted_weights(self.state, self.w64.shape[1])
 

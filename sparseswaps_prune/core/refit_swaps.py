@@ -90,6 +90,18 @@ class RefitState:
         for f in fields(self):
             getattr(self, f.name)[rows] = getattr(other, f.name)
 
+    def h_diagonal(self, rows: torch.Tensor) -> torch.Tensor:
+        """``[n, K]`` diagonal of ``H`` of rows ``rows`` (``[n]`` int64)."""
+        return torch.diagonal(self.inv, dim1=1, dim2=2)[rows]
+
+    def z_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """``[n, K, Q]`` ``Z`` of rows ``rows`` (``[n]`` int64; a copy)."""
+        return self.z[rows]
+
+    def z_columns(self, rows: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """``[n, K, c]`` columns ``Z[:, slots[n]]`` of each row ``rows[n]`` (``slots``: ``[n, c]`` pruned slots)."""
+        return self.z[rows[:, None], :, slots].transpose(1, 2)
+
     def same_as(self, other: RefitState) -> bool:
         """Whether the two states are bit-identical where they are read (``H`` on and above its diagonal)."""
         for f in fields(self):
@@ -222,7 +234,7 @@ def no_swaps(n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, 
 def removal_terms(state: RefitState, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The pair scan's ``[n, K]`` kept-slot terms of rows ``rows``: ``H_uu`` (1 at vacant slots), ``v_u / H_uu`` and
     ``v_u^2 / H_uu``, computed as every scan engine must to give the same costs."""
-    h_safe = torch.where(state.kept_ok[rows], torch.diagonal(state.inv, dim1=1, dim2=2)[rows], 1.0)
+    h_safe = torch.where(state.kept_ok[rows], state.h_diagonal(rows), 1.0)
     ratio = state.coef[rows] / h_safe
     return h_safe, ratio, state.coef[rows] * ratio
 
@@ -280,7 +292,7 @@ def scan_swaps(
         int64. Ties go to the smallest ``u`` (input index), then the smallest ``p``.
     """
     n = rows.numel()
-    _, k_slots, q_slots = state.z.shape
+    k_slots, q_slots = state.kept.shape[1], state.pruned.shape[1]
     d = w64.shape[1]
     best, slot_i, slot_j = no_swaps(n, w64.device)
     if n == 0 or k_slots == 0 or q_slots == 0:
@@ -292,7 +304,7 @@ def scan_swaps(
         kept_terms = [t[:, :, None] for t in (*removal_terms(state, sub), kept, state.kept_ok[sub])]
         restore_ok = restorable(state, w64, sub)
         pruned_terms = [t[:, None, :] for t in (state.schur[sub], state.resid[sub], pruned, restore_ok)]
-        cost = pair_costs(state.z[sub], *kept_terms, *pruned_terms, pivot_floor, m).flatten(1)
+        cost = pair_costs(state.z_rows(sub), *kept_terms, *pruned_terms, pivot_floor, m).flatten(1)
         low, flat = cost.min(dim=1)  # first slot on ties; the index rule is applied to tied rows only
         tied = ((cost == low[:, None]).sum(dim=1) > 1) & (low < float("inf"))
         if bool(tied.any()):
@@ -317,7 +329,7 @@ def best_removals(state: RefitState, rows: torch.Tensor) -> tuple[torch.Tensor, 
     """Cheapest removal per row: ``min_u v_u^2 / H_uu`` (``+inf`` if nothing is kept) and its kept slot
     (ties to the smallest ``u``)."""
     kept_ok = state.kept_ok[rows]
-    h = torch.diagonal(state.inv, dim1=1, dim2=2)[rows]
+    h = state.h_diagonal(rows)
     coef = state.coef[rows]
     cost = torch.where(kept_ok, coef * coef / torch.where(kept_ok, h, 1.0), float("inf"))
     return _row_min(cost, state.kept[rows])

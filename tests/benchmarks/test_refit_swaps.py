@@ -22,6 +22,12 @@ def test_measure_times_both_engines(benchmark_script, pattern, search, kept):
     assert len(builds) == 2 and all(build > 0 for build in builds)  # H by cholesky_inverse, by the triangular inverse
 
 
+def test_measure_times_the_engines_asked_for(benchmark_script):
+    bench = benchmark_script("refit_swaps")
+    figures = bench.measure(24, 3, "cpu", 0.01, "torch", iters=2, engines=["lazy", "torch"])[2]
+    assert list(figures) == ["lazy", "torch"] and all(same for _, _, same in figures.values())
+
+
 def test_the_floor_computes_the_states_schur_complements(benchmark_script):
     """The floor times work the state needs: its s_p equal the engine's (same pruned order)."""
     bench = benchmark_script("refit_swaps")

@@ -315,12 +315,15 @@ def test_errors_name_the_rows_and_the_fix():
 
 @pytest.mark.parametrize("scope,nm", [("row", None), ("row", (2, 4)), ("layer", None)])
 @pytest.mark.parametrize("factor_slots", [2, 16])
-def test_numba_engine_chooses_the_torch_engines_swaps(monkeypatch, scope, nm, factor_slots):
-    """The compiled engine (lazy low-rank terms folded every ``factor_slots / 2`` moves, bound-pruned scan) and the
-    torch reference apply the same swaps, iteration by iteration, and give the same re-fitted weights."""
-    from sparseswaps_prune.core.backends import refit_numba
+@pytest.mark.parametrize("engine", ["numba", "lazy"])
+def test_lazy_engines_choose_the_torch_engines_swaps(monkeypatch, scope, nm, factor_slots, engine):
+    """The lazy state (low-rank terms folded every ``factor_slots / 2`` moves; ``lazy``: in torch, ``numba``:
+    compiled, with its bound-pruned scan) and the torch reference apply the same swaps, iteration by iteration, and
+    give the same re-fitted weights."""
+    from sparseswaps_prune.core import refine
+    from sparseswaps_prune.core.backends import refit_lazy
 
-    monkeypatch.setattr(refit_numba, "FACTOR_SLOTS", factor_slots)
+    monkeypatch.setattr(refit_lazy, "FACTOR_SLOTS", factor_slots)
     gen = torch.Generator().manual_seed(7)
     d_in = 32
     x = torch.randn(96, d_in, generator=gen, dtype=torch.float64) @ (
@@ -329,16 +332,21 @@ def test_numba_engine_chooses_the_torch_engines_swaps(monkeypatch, scope, nm, fa
     gram = x.T @ x
     weight = torch.randn(6, d_in, generator=gen, dtype=torch.float64)
     keep = warmstart_mask(weight, "magnitude", nm=nm) if nm else warmstart_mask(weight, "magnitude", sparsity=0.6)
-    runs = {
-        engine: refine_mask(
-            weight, gram, keep, max_iters=40, nm=nm, objective="refit", damp=0.01, scope=scope, backend=engine
-        )
-        for engine in ("torch", "numba")
-    }
-    assert torch.equal(runs["torch"].mask, runs["numba"].mask)
-    assert runs["torch"].n_swaps.tolist() == runs["numba"].n_swaps.tolist()
-    assert int(runs["numba"].n_swaps.sum()) > 0
-    assert torch.allclose(runs["torch"].loss_after, runs["numba"].loss_after, rtol=1e-9)
+    options = {"max_iters": 40, "nm": nm, "objective": "refit", "damp": 0.01, "scope": scope}
+    reference = refine_mask(weight, gram, keep, backend="torch", **options)
+    built = []
+    if engine == "lazy":  # an engine, not a backend name: the refinement is made to resolve to it
+        monkeypatch.setattr(refine, "resolve_refit_backend", lambda backend, device: "lazy")
+        monkeypatch.setattr(refine, "LazyRefitState", lambda *a, **kw: built.append(refit_lazy.LazyRefitState(*a, **kw))
+                            or built[-1])  # fmt: skip
+    run = refine_mask(weight, gram, keep, backend="numba" if engine == "numba" else "torch", **options)
+    assert torch.equal(reference.mask, run.mask)
+    assert reference.n_swaps.tolist() == run.n_swaps.tolist()
+    assert int(run.n_swaps.sum()) > 0
+    assert torch.allclose(reference.loss_after, run.loss_after, rtol=1e-9)
+    torch.testing.assert_close(reference.weight, run.weight, rtol=1e-9, atol=1e-12)
+    if engine == "lazy":
+        assert built and not built[0].triton_scan  # the torch scan on the CPU
 
 
 def test_default_row_batch_grows_with_the_cuda_devices_memory(monkeypatch):

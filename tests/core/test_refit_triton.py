@@ -10,8 +10,10 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytest.importorskip("triton")
 
 from sparseswaps_prune import refine_mask, warmstart_mask  # noqa: E402
+from sparseswaps_prune.core import refine  # noqa: E402
 from sparseswaps_prune.core import refit_swaps as rs  # noqa: E402
 from sparseswaps_prune.core.backends import refit_triton, resolve_refit_backend  # noqa: E402
+from sparseswaps_prune.core.backends.refit_lazy import LazyRefitState  # noqa: E402
 from sparseswaps_prune.core.refine import RefitRows  # noqa: E402
 from sparseswaps_prune.core.refit import damping  # noqa: E402
 
@@ -174,7 +176,7 @@ def test_resolve_refit_backend(monkeypatch):
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA GPU")
-def test_cuda_engine_at_a_larger_width():
+def test_cuda_engine_at_a_larger_width(monkeypatch):
     weight, gram, keep = _layer(40, 1024, seed=5)
     state, lam = _state(weight, gram, keep)
     rows = torch.arange(40, device=DEVICE)
@@ -187,6 +189,12 @@ def test_cuda_engine_at_a_larger_width():
         for b in ("torch", "triton")
     ]
     assert torch.equal(runs[0].mask, runs[1].mask) and int(runs[1].n_swaps.sum()) > 0
+    # the lazy state (pending terms, its scan the kernel) is an engine, not a backend name
+    monkeypatch.setattr(refine, "resolve_refit_backend", lambda backend, device: "lazy")
+    lazy = refine_mask(weight, gram, keep, max_iters=40, objective="refit", damp=0.01, row_batch=16)
+    monkeypatch.undo()
+    eager = refine_mask(weight, gram, keep, max_iters=40, objective="refit", damp=0.01, backend="triton", row_batch=16)
+    assert torch.equal(lazy.mask, eager.mask) and int(lazy.n_swaps.sum()) > 40
 
 
 @pytest.mark.parametrize(
@@ -233,3 +241,30 @@ def test_the_engines_slot_counts_are_aligned_for_the_kernels():
     torch_model = RefitRows(weight, keep.clone(), gram, lam=damping(gram, 0.01), m=None, row_batch=5, cross=False)
     assert torch_model.k_slots < 32 and torch_model.q_slots < 48  # the other engines keep the counts
     assert refit_triton.aligned_slots(70, 72) == 72  # never past d_in
+
+
+@pytest.mark.parametrize("nm", [None, (2, 4)])
+def test_the_scan_of_a_lazy_state_reads_its_pending_terms(nm):
+    """The kernel on a lazy state (``Z0^T`` plus pending terms, folded every second swap here) chooses the eager
+    reference's swaps, with its costs up to the state's rounding, before and after folds."""
+    weight, gram, keep = _layer(7, 300, seed=4, nm=nm)
+    lam, d, counts = damping(gram, 0.01), keep.shape[1], keep.sum(1)
+    k, q = (refit_triton.aligned_slots(n, d) for n in (int(counts.max()), d - int(counts.min())))
+    m = nm[1] if nm else None
+    lazy = LazyRefitState(weight, keep.clone(), gram, lam, k, q, m, factor_slots=4, triton_scan=True)
+    want = rs.build_state(weight, keep, gram, lam, k, q)
+    floor = rs.pivot_floor(gram, lam)
+    ranks = []
+    for step in range(5):  # consecutive swaps of a subset of the rows, out of order
+        rows = torch.tensor([6, 0, 3, 1][step % 2 :], device=DEVICE)
+        ranks.append(int(lazy.rank[rows].max()))
+        got, ref = lazy.scan(rows), rs.scan_swaps(want, weight, rows, floor, m)
+        assert torch.isfinite(ref[0]).all()
+        assert torch.equal(got[1], ref[1]) and torch.equal(got[2], ref[2])
+        torch.testing.assert_close(got[0], ref[0], rtol=1e-9, atol=1e-9)
+        torch.testing.assert_close(lazy.z_rows(rows), want.z[rows], rtol=1e-9, atol=1e-9)
+        torch.testing.assert_close(lazy.h_diagonal(rows), want.h_diagonal(rows), rtol=1e-9, atol=1e-9)
+        ref_up = rs.swap_slots(want, rows, ref[1], ref[2], gram)
+        for g, r in zip(lazy.swap(rows, got[1], got[2]), ref_up, strict=True):  # the inputs (u, p)
+            assert torch.equal(g, r)
+    assert max(ranks) == 4 and 2 in ranks[2:]  # pending terms read by the kernel, and folds

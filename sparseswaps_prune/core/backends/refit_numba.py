@@ -1,18 +1,7 @@
-"""Compiled CPU engine (numba) of the re-fit-objective swaps: the state and exact updates of
-:mod:`~sparseswaps_prune.core.refit_swaps`, with the two costs that dominate there removed.
-
-**Lazy low-rank updates.** Every move changes ``H`` and ``Z`` by rank-one terms that share their left vectors,
-``H += c a a^T`` and ``Z += a b^T``. Instead of streaming the ``[K, K]`` and ``[K, Q]`` matrices twice per move,
-each row keeps its pending terms (at most ``factor_slots``) next to a base: ``H = H0 + sum_k c_k a_k a_k^T``,
-``Z = Z0 + sum_k a_k b_k^T``. A move reads one column of ``H`` and one row and one column of ``Z`` through the
-terms (``O((K + Q) r)``), and the terms are folded into ``H0`` and ``Z0`` by one BLAS product per row every
-``factor_slots / 2`` moves (:meth:`NumbaRefitState.fold`). The diagonal of ``H``, ``v``, ``r`` and ``s`` are kept
-exactly (eagerly).
-
-**The restore vector from the Gram, not from Z.** Restoring ``p`` needs ``t_q = G_pq - G[p, S] Z[:, q]`` for every
-pruned ``q`` (a pass over all of ``Z``); since ``G[p, S] Z[:, q] = y^T G[S, q]`` with ``y = Z[:, p]``, it is read off
-``sum_{s in S} y_s G[s, :]``: one BLAS product of the shared ``G`` with the columns ``y`` of all rows of a call,
-scattered to their kept inputs' positions.
+"""Compiled CPU engine (numba) of the re-fit-objective swaps: the lazy state of
+:mod:`~sparseswaps_prune.core.backends.refit_lazy` (``H`` and ``Z`` as a base plus pending rank-one terms, folded by
+one BLAS product per row every ``factor_slots / 2`` moves; a restore's vector read off the shared Gram by one BLAS
+product for all rows of a call) with its scan and moves compiled, row by row in parallel.
 
 **The pair scan visits few columns.** Every swap's change satisfies ``dF(u, p) >= -r_p^2 / s_p`` (Cauchy-Schwarz, for
 any stored values with ``s_p, H_uu > 0``), so pruned slots are visited in descending order of that restore gain and
@@ -35,13 +24,8 @@ import numpy as np
 import torch
 
 from sparseswaps_prune.core.backends.numba_search import min_key64
-from sparseswaps_prune.core.refit_swaps import SKIP_RTOL, build_state
-
-# Pending rank-one terms per row before they are folded into H0 and Z0 (two per move): 32 moves, so runs of up to
-# 32 iterations never fold. A fold costs about K Q multiply-adds per term; a pending term costs K per column the
-# scan visits (a few per row and iteration) and K + Q per move, so folding early does not pay. Memory: 8 F (K + Q)
-# bytes per row, F / K of the state's (4-28% at 60% of 4096-576 inputs).
-FACTOR_SLOTS = 64
+from sparseswaps_prune.core.backends.refit_lazy import LazyRefitState
+from sparseswaps_prune.core.refit_swaps import SKIP_RTOL
 
 _SWAP, _REMOVE, _ADD = 0, 1, 2
 
@@ -294,37 +278,10 @@ def _restore_all(
                      pruned, pruned_ok, hdiag, coef, resid, schur, fa, fc, fb, rank)  # fmt: skip
 
 
-# Elements of the [rows, Q, K] temporaries of one build chunk (32 MiB float64 each).
-BUILD_ELEMENTS = 1 << 22
-
-
-def _as_slice(rows: torch.Tensor) -> torch.Tensor | slice:
-    """``rows`` (``[n]`` int64) as a slice when they are consecutive and ascending, else as they are."""
-    n = rows.numel()
-    if n and int(rows[-1]) - int(rows[0]) == n - 1 and bool((rows.diff() == 1).all()):
-        return slice(int(rows[0]), int(rows[0]) + n)
-    return rows
-
-
-class NumbaRefitState:
-    """Float64 re-fit state of ``R`` rows for the compiled engine (CPU tensors; the kernels work on their numpy
-    views, in place).
-
-    The attributes of :class:`~sparseswaps_prune.core.refit_swaps.RefitState` with the same meaning -- ``kept``,
-    ``kept_ok``, ``pruned``, ``pruned_ok``, ``coef`` (``v``), ``resid`` (``r``), ``schur`` (``s``) -- plus the lazy
-    form of ``H`` and ``Z``: ``inv`` ``[R, K, K]`` base ``H0``, ``hdiag`` ``[R, K]`` the exact diagonal of ``H``,
-    ``zt`` ``[R, Q, K]`` base ``Z0`` transposed (a column of ``Z`` is contiguous), and the pending terms ``fa``
-    ``[R, F, K]``, ``fc`` ``[R, F]``, ``fb`` ``[R, F, Q]``, ``rank`` ``[R]`` (``H = H0 + sum_k fc_k fa_k fa_k^T``,
-    ``Z = Z0 + sum_k fa_k fb_k^T`` over ``k < rank``; entries past ``rank`` are zero).
-
-    Args:
-        w64: ``[R, d]`` float64 CPU weights; keep: ``[R, d]`` bool mask the state is built from (read by
-            :meth:`build` only; neither is modified). gram64: ``[d, d]`` float64 Gram; lam: absolute damping.
-        k_slots, q_slots: kept and pruned slot counts. m: N:M block size, or None.
-        factor_slots: pending terms per row before a fold (even, >= 2; default ``FACTOR_SLOTS``).
-        row_offset: layer indices of the rows (``[R]`` int64) or of row 0 (int), for the singular-system error.
-
-    Every row is built on construction (:meth:`build`).
+class NumbaRefitState(LazyRefitState):
+    """The lazy re-fit state (:class:`~sparseswaps_prune.core.backends.refit_lazy.LazyRefitState`: attributes,
+    arguments, build, fold, grow) on CPU tensors, with its scan and moves compiled (the kernels work on the tensors'
+    numpy views, in place). Rows fold their pending terms one by one when they would overflow.
 
     Raises:
         ValueError: tensors off the CPU, a bad ``factor_slots``, or a singular ``G_SS + lambda I`` (names the rows).
@@ -345,65 +302,8 @@ class NumbaRefitState:
     ) -> None:
         if w64.device.type != "cpu":
             raise ValueError(f"the numba re-fit engine runs on the CPU; got tensors on {w64.device}")
-        factor_slots = factor_slots or FACTOR_SLOTS
-        if factor_slots < 2 or factor_slots % 2:
-            raise ValueError(f"factor_slots must be an even number >= 2, got {factor_slots}")
-        self.w64, self.keep = w64.contiguous(), keep
-        self.gram64 = gram64.contiguous()
-        self.lam, self.m, self.factor_slots = lam, m, factor_slots
-        self.floor = (1e-10 * (torch.diagonal(self.gram64) + lam)).contiguous()  # refit_swaps.pivot_floor
-        rows = w64.shape[0]
-        long, f64 = {"dtype": torch.long}, {"dtype": torch.float64}
-        # every row is built below: no need to zero what the build writes (the zeroing pass costs as much as a copy)
-        self.kept = torch.empty(rows, k_slots, **long)
-        self.kept_ok = torch.empty(rows, k_slots, dtype=torch.bool)
-        self.pruned = torch.empty(rows, q_slots, **long)
-        self.pruned_ok = torch.empty(rows, q_slots, dtype=torch.bool)
-        self.inv = torch.empty(rows, k_slots, k_slots, **f64)
-        self.hdiag = torch.empty(rows, k_slots, **f64)
-        self.coef = torch.empty(rows, k_slots, **f64)
-        self.resid = torch.empty(rows, q_slots, **f64)
-        self.schur = torch.empty(rows, q_slots, **f64)
-        self.zt = torch.empty(rows, q_slots, k_slots, **f64)
-        self.fa = torch.zeros(rows, factor_slots, k_slots, **f64)
-        self.fc = torch.zeros(rows, factor_slots, **f64)
-        self.fb = torch.zeros(rows, factor_slots, q_slots, **f64)
-        self.rank = torch.zeros(rows, **long)
         self.visited = 0  # pruned columns visited by the scans so far (statistics)
-        self.build(torch.arange(rows), row_offset=row_offset)
-
-    @property
-    def slots(self) -> tuple[int, int]:
-        """``(K, Q)``."""
-        return self.kept.shape[1], self.pruned.shape[1]
-
-    def build(self, rows: torch.Tensor, *, row_offset: int | torch.Tensor = 0) -> None:
-        """Rebuild rows ``rows`` (``[n]`` int64) from ``keep`` from scratch, in place, by
-        :func:`~sparseswaps_prune.core.refit_swaps.build_state` (Cholesky of ``G_SS + lambda I``,
-        ``H0 = (G_SS + lambda I)^{-1}``, ``v``, ``Z0 = H0 G[S, P]``, ``r``, ``s``); no pending terms.
-        ``row_offset``: layer indices of ``rows`` (tensor) or of row 0 (int), for the singular-system error.
-
-        Raises:
-            ValueError: ``G_SS + lambda I`` is not positive definite for some rows (names them; raise ``damp``).
-        """
-        k_slots, q_slots = self.slots
-        chunk = max(1, BUILD_ELEMENTS // max(1, k_slots * q_slots))
-        names = rows + row_offset if isinstance(row_offset, int) else row_offset
-        for c0 in range(0, rows.numel(), chunk):
-            sub = rows[c0 : c0 + chunk]
-            batch = names[c0 : c0 + chunk]
-            into = _as_slice(sub)  # consecutive rows: Z^T built in place, plain copies instead of indexed writes
-            fresh = build_state(
-                self.w64[sub], self.keep[sub], self.gram64, self.lam, k_slots, q_slots, row_offset=batch,
-                transposed_z=True, z_out=self.zt[into] if isinstance(into, slice) else None,
-            )  # fmt: skip
-            for name in ("kept", "kept_ok", "pruned", "pruned_ok", "inv", "coef", "resid", "schur"):
-                getattr(self, name)[into] = getattr(fresh, name)
-            self.hdiag[into] = torch.diagonal(fresh.inv, dim1=1, dim2=2)
-            if not isinstance(into, slice):
-                self.zt[into] = fresh.z.mT
-            if bool(self.rank[into].any()):  # pending terms to clear (entries past a row's rank are zero)
-                self.fa[into], self.fc[into], self.fb[into], self.rank[into] = 0.0, 0.0, 0.0, 0
+        super().__init__(w64, keep, gram64, lam, k_slots, q_slots, m, factor_slots=factor_slots, row_offset=row_offset)
 
     def scan(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Best swap of every row in ``rows`` (``[n]`` int64): ``dF`` ``[n]`` float64 (``+inf`` where no feasible
@@ -419,43 +319,6 @@ class NumbaRefitState:
         )  # fmt: skip
         self.visited += int(cols.sum())
         return torch.from_numpy(dl), torch.from_numpy(slot_i), torch.from_numpy(slot_j)
-
-    def best_removals(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Cheapest removal per row, ``min_u v_u^2 / H_uu``, and its kept slot (``refit_swaps.best_removals``)."""
-        from sparseswaps_prune.core.refit_swaps import _row_min
-
-        kept_ok, coef = self.kept_ok[rows], self.coef[rows]
-        cost = torch.where(kept_ok, coef * coef / torch.where(kept_ok, self.hdiag[rows], 1.0), float("inf"))
-        return _row_min(cost, self.kept[rows])
-
-    def best_additions(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Best restore per row, ``min_p -r_p^2 / s_p``, and its pruned slot (``refit_swaps.best_additions``)."""
-        from sparseswaps_prune.core.refit_swaps import _row_min
-
-        schur, pruned = self.schur[rows], self.pruned[rows]
-        ok = self.pruned_ok[rows] & (self.w64[rows].gather(1, pruned) != 0) & (schur > self.floor[pruned])
-        gain = torch.where(ok, -self.resid[rows].square() / torch.where(ok, schur, 1.0), float("inf"))
-        return _row_min(gain, pruned)
-
-    def fold(self, rows: torch.Tensor) -> None:
-        """Fold the pending terms of ``rows`` into ``H0`` and ``Z0`` (one BLAS product per row; all rows at once
-        when most have terms pending), in place."""
-        rows = rows[self.rank[rows] > 0]
-        if rows.numel() == 0:
-            return
-        if 2 * rows.numel() > self.rank.numel():  # all rows in one batched product (zero terms add nothing)
-            k = int(self.rank.max())
-            fa = self.fa[:, :k]
-            self.zt.baddbmm_(self.fb[:, :k].transpose(1, 2), fa)
-            self.inv.baddbmm_(fa.transpose(1, 2), fa * self.fc[:, :k, None])
-            rows = torch.arange(self.rank.numel())
-        else:
-            for r in rows.tolist():
-                k = int(self.rank[r])
-                fa = self.fa[r, :k]
-                self.zt[r].addmm_(self.fb[r, :k].T, fa)
-                self.inv[r].addmm_(fa.T, fa * self.fc[r, :k, None])
-        self.fa[rows], self.fc[rows], self.fb[rows], self.rank[rows] = 0.0, 0.0, 0.0, 0
 
     def _moves(self, op: int, rows: torch.Tensor, slot_a: torch.Tensor, slot_b: torch.Tensor):
         """Apply one move ``op`` to each of the distinct ``rows`` (``[n]`` int64), in place: ``_SWAP`` kept slot
@@ -488,6 +351,7 @@ class NumbaRefitState:
                 rows_np, ops, slot_a_np, self.gram64.numpy(), kept, kept_ok, pruned, pruned_ok, hdiag, coef, resid,
                 schur, fa, fc, fb, rank, y, products, pivot, ratio, out_p,
             )  # fmt: skip
+        self.max_rank = int(self.rank.max())  # the torch reads of the lazy state slice the terms by it
         return torch.from_numpy(out_u), torch.from_numpy(out_p)
 
     def swap(self, rows: torch.Tensor, slot_i: torch.Tensor, slot_j: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -503,31 +367,3 @@ class NumbaRefitState:
         """Restore pruned slot ``slot_j`` of each row into its vacant kept slot ``vacant_i`` (the pruned slot
         becomes vacant); returns the inputs."""
         return self._moves(_ADD, rows, vacant_i, slot_j)[1]
-
-    def grow(self, k_slots: int, q_slots: int) -> None:
-        """Enlarge to at least ``k_slots`` kept and ``q_slots`` pruned slots (new slots vacant), in place."""
-        k_old, q_old = self.slots
-        k_new, q_new = max(k_old, k_slots), max(q_old, q_slots)
-        if (k_new, q_new) == (k_old, q_old):
-            return
-
-        def pad(t: torch.Tensor, dims: dict[int, int], fill: float = 0) -> torch.Tensor:
-            shape = [dims.get(i, s) for i, s in enumerate(t.shape)]
-            out = torch.full(shape, fill, dtype=t.dtype)
-            out[tuple(slice(0, s) for s in t.shape)] = t
-            return out
-
-        k, q = {1: k_new}, {1: q_new}
-        self.kept, self.kept_ok, self.coef, self.hdiag = (pad(t, k) for t in (self.kept, self.kept_ok, self.coef,
-                                                                              self.hdiag))  # fmt: skip
-        self.pruned, self.pruned_ok, self.resid = (pad(t, q) for t in (self.pruned, self.pruned_ok, self.resid))
-        self.schur = pad(self.schur, q, 1.0)
-        self.inv = pad(self.inv, {1: k_new, 2: k_new})
-        self.zt = pad(self.zt, {1: q_new, 2: k_new})
-        self.fa = pad(self.fa, {2: k_new})
-        self.fb = pad(self.fb, {2: q_new})
-
-    def fitted(self) -> torch.Tensor:
-        """``[R, d]`` float64 re-fitted weights ``v`` (zero off the kept set)."""
-        out = torch.zeros(self.w64.shape, dtype=torch.float64)
-        return out.scatter_add_(1, self.kept, torch.where(self.kept_ok, self.coef, 0.0))

@@ -32,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from sparseswaps_prune.core.backends.refit_lazy import LazyRefitState
 from sparseswaps_prune.core.backends.triton_search import tile_splits
 from sparseswaps_prune.core.refit_swaps import (
     SKIP_RTOL,
@@ -108,23 +109,34 @@ def _scan_kernel(
     k_hi_ptr,
     out_val_ptr,
     out_key_ptr,
+    fa_ptr,
+    fb_ptr,
+    rank_ptr,
     K,
     Q,
     d,
+    F,
     tiles_per_split,
     n_split,
     n_tiles,
     M: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_Q: tl.constexpr,
+    LAZY: tl.constexpr,
 ):
     """Row ``i`` of the scan, pruned slots of split ``split``: the smallest cost and its smallest key (``M``: the
     N:M block size, 0 for none). A tile of pruned slots none of which ``need`` marks is neither read nor evaluated;
-    with ``M``, only its pairs with kept slots ``[k_lo, k_hi)`` (:func:`kept_slot_ranges`, ``[n, n_tiles]``) are."""
+    with ``M``, only its pairs with kept slots ``[k_lo, k_hi)`` (:func:`kept_slot_ranges`, ``[n, n_tiles]``) are.
+    ``LAZY``: ``z`` is a lazy state's ``Z0^T`` ``[R, Q, K]`` and every tile adds the row's ``rank`` pending terms
+    ``fa [R, F, K]``, ``fb [R, F, Q]``; otherwise ``z`` is ``Z`` ``[R, K, Q]`` (``fa``, ``fb``, ``rank``, ``F``
+    unused)."""
     i = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     row = tl.load(rows_ptr + i)
     z_row = z_ptr + row * K * Q
+    n_terms = 0
+    if LAZY:
+        n_terms = tl.load(rank_ptr + row)
     no_key = 9223372036854775807
     # running (cost, key) minimum per tile position, reduced once at the end (no reduction per tile)
     acc = tl.full([BLOCK_K, BLOCK_Q], float("inf"), tl.float64)
@@ -155,7 +167,15 @@ def _scan_kernel(
                 kept = tl.load(kept_ptr + i * K + k_idx, mask=k_in, other=0)
                 k_ok = k_in & (tl.load(kept_ok_ptr + i * K + k_idx, mask=k_in, other=0) != 0)
                 ok = k_ok[:, None] & q_ok[None, :]
-                z = tl.load(z_row + k_idx[:, None].to(tl.int64) * Q + q_idx[None, :], mask=ok, other=0.0)
+                if LAZY:
+                    z = tl.load(z_row + q_idx[None, :].to(tl.int64) * K + k_idx[:, None], mask=ok, other=0.0)
+                    for t in range(n_terms):  # Z = Z0 + sum_t fa_t fb_t^T
+                        term = (row * F + t) * K
+                        a = tl.load(fa_ptr + term + k_idx, mask=k_in, other=0.0)
+                        b = tl.load(fb_ptr + (row * F + t) * Q + q_idx, mask=q_in, other=0.0)
+                        z = z + a[:, None] * b[None, :]
+                else:
+                    z = tl.load(z_row + k_idx[:, None].to(tl.int64) * Q + q_idx[None, :], mask=ok, other=0.0)
                 acc, acc_key = _fold_costs(
                     z, ok, ratio, h, remove, kept, resid, schur, pruned, floor, acc, acc_key, d, M
                 )
@@ -207,7 +227,7 @@ def _check_contiguous(t: torch.Tensor, name: str) -> None:
 
 
 def scan_swaps(
-    state: RefitState,
+    state: RefitState | LazyRefitState,
     w64: torch.Tensor,
     rows: torch.Tensor,
     pivot_floor: torch.Tensor,
@@ -218,7 +238,9 @@ def scan_swaps(
     """Best swap of every row in ``rows``: the contract, costs and tie rule of :func:`refit_swaps.scan_swaps`.
 
     Args:
-        state: the batch state (not modified; its ``z`` must be contiguous); w64: ``[R, d]`` float64 weights.
+        state: the batch state (not modified; its ``z`` must be contiguous), or a
+            :class:`~sparseswaps_prune.core.backends.refit_lazy.LazyRefitState` (each tile read adds the row's
+            pending terms); w64: ``[R, d]`` float64 weights.
         rows: ``[n]`` int64 rows of the batch to scan.
         pivot_floor: ``[d]`` smallest admissible new pivot per input; m: N:M block size, or None.
         q_splits: programs a row's pruned slots are split across (default: enough to fill the GPU).
@@ -228,12 +250,16 @@ def scan_swaps(
         int64 (0 and 0 where no pair). Extra memory: ``[n, K]`` and ``[n, Q]`` terms only.
     """
     n = rows.numel()
-    _, k_slots, q_slots = state.z.shape
+    k_slots, q_slots = state.kept.shape[1], state.pruned.shape[1]
     d = w64.shape[1]
     dev = w64.device
     if n == 0 or k_slots == 0 or q_slots == 0:
         return no_swaps(n, dev)
-    _check_contiguous(state.z, "scan_swaps")
+    lazy = isinstance(state, LazyRefitState)
+    z = state.zt if lazy else state.z
+    _check_contiguous(z, "scan_swaps")
+    # a lazy state's pending terms (unused otherwise: z stands in)
+    pending = (state.fa, state.fb, state.rank, state.factor_slots) if lazy else (z, z, rows, 0)
     kept, kept_ok, pruned = state.kept[rows], state.kept_ok[rows], state.pruned[rows]
     h_safe, ratio, remove = removal_terms(state, rows)  # as the reference
     pruned_ok = restorable(state, w64, rows)
@@ -249,8 +275,9 @@ def scan_swaps(
     part_val = torch.empty(n, n_split, dtype=torch.float64, device=dev)
     part_key = torch.empty(n, n_split, dtype=torch.long, device=dev)
     _scan_kernel[(n, n_split)](
-        state.z, rows.contiguous(), *terms, part_val, part_key, k_slots, q_slots, d, tiles_per_split, n_split,
-        n_tiles, M=m or 0, BLOCK_K=block_k, BLOCK_Q=block_q, num_warps=num_warps, enable_fp_fusion=False,
+        z, rows.contiguous(), *terms, part_val, part_key, *pending[:3], k_slots, q_slots, d, pending[3],
+        tiles_per_split, n_split, n_tiles, M=m or 0, BLOCK_K=block_k, BLOCK_Q=block_q, LAZY=lazy,
+        num_warps=num_warps, enable_fp_fusion=False,
     )  # fmt: skip
     best = part_val.min(dim=1).values
     key = torch.where(part_val == best[:, None], part_key, _NO_KEY).min(dim=1).values
@@ -318,7 +345,7 @@ def columns_to_scan(
     neg_gain = torch.where(positive, -resid.square() / torch.where(positive, schur, 1.0), float("inf"))
     neg_gain = torch.where(pruned_ok & ~positive, -float("inf"), neg_gain)  # no bound there: always scanned
     top = neg_gain.topk(min(THRESHOLD_COLUMNS, neg_gain.shape[1]), dim=1, largest=False).indices  # [n, c]
-    column = state.z[rows[:, None], :, top].transpose(1, 2)  # [n, K, c]
+    column = state.z_columns(rows, top)  # [n, K, c]
 
     def at_top(t: torch.Tensor) -> torch.Tensor:  # [n, Q] -> [n, 1, c]
         return t.gather(1, top)[:, None, :]

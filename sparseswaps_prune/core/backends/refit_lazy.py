@@ -1,0 +1,337 @@
+"""The lazy re-fit state: the state of :mod:`~sparseswaps_prune.core.refit_swaps` with ``H`` and ``Z`` kept as a base
+plus pending rank-one terms, so that a move no longer streams the ``[K, K]`` and ``[K, Q]`` matrices.
+
+Every move changes ``H`` and ``Z`` by rank-one terms that share their left vectors, ``H += c a a^T`` and
+``Z += a b^T``. Each row keeps its pending terms (at most ``factor_slots``) next to a base:
+``H = H0 + sum_k c_k a_k a_k^T``, ``Z = Z0 + sum_k a_k b_k^T``. A move reads one column of ``H`` and one row and
+one column of ``Z`` through the terms (``O((K + Q) r)`` per row), and the terms are folded into ``H0`` and ``Z0``
+by one batched matrix product when a row would overflow (:meth:`LazyRefitState.fold`: every ``factor_slots / 2``
+swaps). The diagonal of ``H``, ``v``, ``r`` and ``s`` are kept exactly (eagerly). A restore's vector
+``t_q = G_pq - G[p, S] Z[:, q]`` is read off the shared Gram, ``sum_{s in S} y_s G[s, :]`` with ``y = Z[:, p]``
+(one matrix product for all rows of a call).
+
+:class:`LazyRefitState` holds the state and applies moves with batched torch operations on any device: its scan is
+the Triton engine's kernel reading the pending terms (:func:`refit_triton.scan_swaps`, on CUDA) or the torch
+reference scan of the materialised rows. The compiled CPU engine
+(:class:`~sparseswaps_prune.core.backends.refit_numba.NumbaRefitState`) is the same state with its scan and moves
+in numba. The costs are not bit-identical to the eager reference (the state rounds in a different order); the
+engines choose the same swaps, as the tests check.
+
+Layout: ``zt`` ``[R, Q, K]`` is ``Z0`` transposed (a column of ``Z`` is contiguous).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sparseswaps_prune.core import refit_swaps as rs
+
+# Pending rank-one terms per row before they are folded into H0 and Z0 (two per swap): 32 swaps, so runs of up to
+# 32 iterations never fold. A fold costs about K Q multiply-adds per term; a pending term costs K per column the
+# scan visits (a few per row and iteration) and K + Q per move, so folding early does not pay. Memory: 8 F (K + Q)
+# bytes per row, F / K of the state's (4-28% at 60% of 4096-576 inputs).
+FACTOR_SLOTS = 64
+
+# Elements of the [rows, Q, K] temporaries of one build chunk (32 MiB float64 each).
+BUILD_ELEMENTS = 1 << 22
+
+
+def _as_slice(rows: torch.Tensor) -> torch.Tensor | slice:
+    """``rows`` (``[n]`` int64) as a slice when they are consecutive and ascending, else as they are."""
+    n = rows.numel()
+    if n and int(rows[-1]) - int(rows[0]) == n - 1 and bool((rows.diff() == 1).all()):
+        return slice(int(rows[0]), int(rows[0]) + n)
+    return rows
+
+
+class LazyRefitState:
+    """Float64 re-fit state of ``R`` rows with ``H`` and ``Z`` as a base plus pending rank-one terms (tensors on
+    ``w64``'s device, modified in place by the moves).
+
+    The attributes of :class:`~sparseswaps_prune.core.refit_swaps.RefitState` with the same meaning -- ``kept``,
+    ``kept_ok``, ``pruned``, ``pruned_ok``, ``coef`` (``v``), ``resid`` (``r``), ``schur`` (``s``) -- plus the lazy
+    form of ``H`` and ``Z``: ``inv`` ``[R, K, K]`` base ``H0``, ``hdiag`` ``[R, K]`` the exact diagonal of ``H``,
+    ``zt`` ``[R, Q, K]`` base ``Z0`` transposed, and the pending terms ``fa`` ``[R, F, K]``, ``fc`` ``[R, F]``,
+    ``fb`` ``[R, F, Q]``, ``rank`` ``[R]`` (``H = H0 + sum_k fc_k fa_k fa_k^T``, ``Z = Z0 + sum_k fa_k fb_k^T`` over
+    ``k < rank``; entries past ``rank`` are zero). It reads as a ``RefitState`` through :meth:`h_diagonal`,
+    :meth:`z_rows` and :meth:`z_columns` (the scans and ``refit_swaps.best_removals`` use them).
+
+    Args:
+        w64: ``[R, d]`` float64 weights; keep: ``[R, d]`` bool mask the state is built from (read by :meth:`build`
+            only; neither is modified). gram64: ``[d, d]`` float64 Gram on the same device; lam: absolute damping.
+        k_slots, q_slots: kept and pruned slot counts. m: N:M block size, or None.
+        factor_slots: pending terms per row before a fold (even, >= 2; default ``FACTOR_SLOTS``).
+        row_offset: layer indices of the rows (``[R]`` int64) or of row 0 (int), for the singular-system error.
+        triton_scan: scan with the Triton engine's kernel (:func:`refit_triton.scan_swaps`: CUDA tensors, or CPU
+            ones in the Triton interpreter; its slot counts should be :func:`refit_triton.aligned_slots`) instead of
+            the torch reference's scan of the materialised rows.
+
+    Every row is built on construction (:meth:`build`).
+
+    Raises:
+        ValueError: a bad ``factor_slots``, or a singular ``G_SS + lambda I`` (names the rows).
+    """
+
+    def __init__(
+        self,
+        w64: torch.Tensor,
+        keep: torch.Tensor,
+        gram64: torch.Tensor,
+        lam: float,
+        k_slots: int,
+        q_slots: int,
+        m: int | None,
+        *,
+        factor_slots: int | None = None,
+        row_offset: int | torch.Tensor = 0,
+        triton_scan: bool = False,
+    ) -> None:
+        factor_slots = factor_slots or FACTOR_SLOTS
+        if factor_slots < 2 or factor_slots % 2:
+            raise ValueError(f"factor_slots must be an even number >= 2, got {factor_slots}")
+        self.w64, self.keep = w64.contiguous(), keep
+        self.gram64 = gram64.contiguous()
+        self.lam, self.m, self.factor_slots, self.triton_scan = lam, m, factor_slots, triton_scan
+        self.floor = rs.pivot_floor(self.gram64, lam).contiguous()
+        rows, dev = w64.shape[0], w64.device
+        long, f64 = {"dtype": torch.long, "device": dev}, {"dtype": torch.float64, "device": dev}
+        # every row is built below: no need to zero what the build writes (the zeroing pass costs as much as a copy)
+        self.kept = torch.empty(rows, k_slots, **long)
+        self.kept_ok = torch.empty(rows, k_slots, dtype=torch.bool, device=dev)
+        self.pruned = torch.empty(rows, q_slots, **long)
+        self.pruned_ok = torch.empty(rows, q_slots, dtype=torch.bool, device=dev)
+        self.inv = torch.empty(rows, k_slots, k_slots, **f64)
+        self.hdiag = torch.empty(rows, k_slots, **f64)
+        self.coef = torch.empty(rows, k_slots, **f64)
+        self.resid = torch.empty(rows, q_slots, **f64)
+        self.schur = torch.empty(rows, q_slots, **f64)
+        self.zt = torch.empty(rows, q_slots, k_slots, **f64)
+        self.fa = torch.zeros(rows, factor_slots, k_slots, **f64)
+        self.fc = torch.zeros(rows, factor_slots, **f64)
+        self.fb = torch.zeros(rows, factor_slots, q_slots, **f64)
+        self.rank = torch.zeros(rows, **long)
+        self.max_rank = 0  # a bound on rank.max() kept on the host (no device sync per move), >= every rank
+        self.build(torch.arange(rows, device=dev), row_offset=row_offset)
+
+    @property
+    def slots(self) -> tuple[int, int]:
+        """``(K, Q)``."""
+        return self.kept.shape[1], self.pruned.shape[1]
+
+    def build(self, rows: torch.Tensor, *, row_offset: int | torch.Tensor = 0) -> None:
+        """Rebuild rows ``rows`` (``[n]`` int64) from ``keep`` from scratch, in place, by
+        :func:`~sparseswaps_prune.core.refit_swaps.build_state` (Cholesky of ``G_SS + lambda I``,
+        ``H0 = (G_SS + lambda I)^{-1}``, ``v``, ``Z0 = H0 G[S, P]``, ``r``, ``s``); no pending terms.
+        ``row_offset``: layer indices of ``rows`` (tensor) or of row 0 (int), for the singular-system error.
+
+        Raises:
+            ValueError: ``G_SS + lambda I`` is not positive definite for some rows (names them; raise ``damp``).
+        """
+        k_slots, q_slots = self.slots
+        chunk = max(1, BUILD_ELEMENTS // max(1, k_slots * q_slots))
+        names = rows + row_offset if isinstance(row_offset, int) else row_offset
+        for c0 in range(0, rows.numel(), chunk):
+            sub = rows[c0 : c0 + chunk]
+            batch = names[c0 : c0 + chunk]
+            into = _as_slice(sub)  # consecutive rows: Z^T built in place, plain copies instead of indexed writes
+            fresh = rs.build_state(
+                self.w64[sub], self.keep[sub], self.gram64, self.lam, k_slots, q_slots, row_offset=batch,
+                transposed_z=True, z_out=self.zt[into] if isinstance(into, slice) else None,
+            )  # fmt: skip
+            for name in ("kept", "kept_ok", "pruned", "pruned_ok", "inv", "coef", "resid", "schur"):
+                getattr(self, name)[into] = getattr(fresh, name)
+            self.hdiag[into] = torch.diagonal(fresh.inv, dim1=1, dim2=2)
+            if not isinstance(into, slice):
+                self.zt[into] = fresh.z.mT
+            if bool(self.rank[into].any()):  # pending terms to clear (entries past a row's rank are zero)
+                self.fa[into], self.fc[into], self.fb[into], self.rank[into] = 0.0, 0.0, 0.0, 0
+
+    # -- reads, as a RefitState -------------------------------------------------------------------------------------
+
+    def h_diagonal(self, rows: torch.Tensor) -> torch.Tensor:
+        """``[n, K]`` diagonal of ``H`` of rows ``rows`` (kept exactly)."""
+        return self.hdiag[rows]
+
+    def _terms(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``fa``, ``fc``, ``fb`` of rows ``rows`` up to the rank bound ``max_rank`` (the rest are zero)."""
+        r = self.max_rank
+        return self.fa[rows, :r], self.fc[rows, :r], self.fb[rows, :r]
+
+    def z_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """``[n, K, Q]`` ``Z`` of rows ``rows``, the base plus the pending terms (a new tensor)."""
+        fa, _, fb = self._terms(rows)
+        return torch.baddbmm(self.zt[rows], fb.mT, fa).mT
+
+    def z_columns(self, rows: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """``[n, K, c]`` columns ``Z[:, slots[n]]`` of each row ``rows[n]`` (``slots``: ``[n, c]`` pruned slots)."""
+        fb = self.fb[rows[:, None], : self.max_rank, slots]  # [n, c, r]
+        return torch.baddbmm(self.zt[rows[:, None], slots], fb, self._terms(rows)[0]).mT
+
+    def _h_column(self, rows: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+        """``[n, K]`` column ``H[:, slot[n]]`` of each row (``H0`` is kept whole: symmetric)."""
+        ar = torch.arange(rows.numel(), device=rows.device)
+        fa, fc, _ = self._terms(rows)
+        weight = fc * fa[ar, :, slot]  # [n, r]
+        return torch.baddbmm(self.inv[rows, slot, :][:, :, None], fa.mT, weight[:, :, None])[:, :, 0]
+
+    def _z_row(self, rows: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+        """``[n, Q]`` row ``Z[slot[n], :]`` of each row."""
+        a = self.fa[rows, : self.max_rank, slot]  # [n, r]
+        return torch.baddbmm(self.zt[rows, :, slot][:, :, None], self._terms(rows)[2].mT, a[:, :, None])[:, :, 0]
+
+    # -- the scan --------------------------------------------------------------------------------------------------
+
+    def scan(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Best swap of every row in ``rows`` (``[n]`` int64): ``dF`` ``[n]`` float64 (``+inf`` where no feasible
+        pair), kept slot and pruned slot ``[n]`` int64; as :func:`~sparseswaps_prune.core.refit_swaps.scan_swaps`
+        (with ``triton_scan`` the Triton engine's kernel, otherwise the torch reference)."""
+        if self.triton_scan:
+            from sparseswaps_prune.core.backends import refit_triton
+
+            return refit_triton.scan_swaps(self, self.w64, rows, self.floor, self.m)
+        return rs.scan_swaps(self, self.w64, rows, self.floor, self.m)
+
+    # -- moves -----------------------------------------------------------------------------------------------------
+
+    def fold(self, rows: torch.Tensor) -> None:
+        """Fold the pending terms of ``rows`` into ``H0`` and ``Z0`` (one batched product; all rows at once when
+        most have terms pending), in place."""
+        rows = rows[self.rank[rows] > 0]
+        if rows.numel() == 0:
+            return
+        if 2 * rows.numel() > self.rank.numel():  # all rows in one batched product (zero terms add nothing)
+            k = int(self.rank.max())
+            fa = self.fa[:, :k]
+            self.zt.baddbmm_(self.fb[:, :k].transpose(1, 2), fa)
+            self.inv.baddbmm_(fa.transpose(1, 2), fa * self.fc[:, :k, None])
+            rows = torch.arange(self.rank.numel(), device=rows.device)
+        else:
+            for r in rows.tolist():
+                k = int(self.rank[r])
+                fa = self.fa[r, :k]
+                self.zt[r].addmm_(self.fb[r, :k].T, fa)
+                self.inv[r].addmm_(fa.T, fa * self.fc[r, :k, None])
+        self.fa[rows], self.fc[rows], self.fb[rows], self.rank[rows] = 0.0, 0.0, 0.0, 0
+        if rows.numel() == self.rank.numel():
+            self.max_rank = 0
+
+    def _make_room(self, terms: int) -> None:
+        """Fold every row before a call that adds ``terms`` pending terms per row could overflow one."""
+        if self.max_rank + terms > self.factor_slots:
+            self.fold(torch.arange(self.rank.numel(), device=self.rank.device))
+            self.max_rank = 0
+        self.max_rank += terms
+
+    def _append(self, rows: torch.Tensor, a: torch.Tensor, c: torch.Tensor, b: torch.Tensor) -> None:
+        """Add the pending term ``(a, c, b)`` (``[n, K]``, ``[n]``, ``[n, Q]``) to each row."""
+        k = self.rank[rows]
+        self.fa[rows, k], self.fc[rows, k], self.fb[rows, k] = a, c, b
+        self.rank[rows] = k + 1
+
+    def _remove(self, rows: torch.Tensor, slot: torch.Tensor) -> rs.Incoming:
+        """Prune the input of kept slot ``slot`` of each row (``refit_swaps.remove_kept``), adding one pending
+        term; returns ``(u, Z[:, u], r_u, s_u)`` for :meth:`_place`."""
+        ar = torch.arange(rows.numel(), device=rows.device)
+        h = self._h_column(rows, slot)
+        h_uu = h[ar, slot]
+        ratio = self.coef[rows, slot] / h_uu
+        z_row = self._z_row(rows, slot)
+        scaled = h / -h_uu[:, None]
+        self.hdiag[rows] += h * scaled
+        self.coef[rows] -= h * ratio[:, None]
+        self.resid[rows] += z_row * ratio[:, None]
+        self.schur[rows] += z_row * z_row / h_uu[:, None]
+        self._append(rows, scaled, -h_uu, z_row)
+        self.inv[rows, slot, :] = 0.0
+        self.inv[rows, :, slot] = 0.0
+        self.fa[rows, :, slot] = 0.0
+        self.zt[rows, :, slot] = 0.0
+        self.coef[rows, slot] = 0.0
+        self.hdiag[rows, slot] = 0.0
+        u = self.kept[rows, slot]
+        self.kept[rows, slot] = 0
+        self.kept_ok[rows, slot] = False
+        scaled[ar, slot] = 0.0
+        return u, scaled, ratio, 1.0 / h_uu
+
+    def _place(self, rows: torch.Tensor, slot: torch.Tensor, incoming: rs.Incoming | None) -> None:
+        """Write a just-pruned input (from :meth:`_remove`) into pruned slot ``slot`` of each row, or vacate the
+        slot (``incoming`` None)."""
+        u, z_col, resid, schur = incoming if incoming is not None else (0, 0.0, 0.0, 1.0)
+        self.zt[rows, slot] = z_col
+        self.fb[rows, :, slot] = 0.0
+        self.resid[rows, slot] = resid
+        self.schur[rows, slot] = schur
+        self.pruned[rows, slot] = u
+        self.pruned_ok[rows, slot] = incoming is not None
+
+    def _restore(self, rows: torch.Tensor, slot: torch.Tensor, dest: torch.Tensor, incoming: rs.Incoming | None):
+        """Restore the input of pruned slot ``slot`` of each row into vacant kept slot ``dest``
+        (``refit_swaps.add_pruned``), adding one pending term; the pruned slot takes ``incoming`` or is vacated.
+        Returns the restored inputs."""
+        ar = torch.arange(rows.numel(), device=rows.device)
+        y = self.z_columns(rows, slot[:, None])[:, :, 0]  # [n, K] Z[:, p] (zero at vacant slots)
+        pivot = self.schur[rows, slot]
+        ratio = self.resid[rows, slot] / pivot  # the restored weight's re-fitted value
+        p = self.pruned[rows, slot]
+        self._place(rows, slot, incoming)
+        gram_p, pruned = self.gram64[p], self.pruned[rows]  # [n, d] rows G[p, :]
+        spread = torch.zeros_like(gram_p).scatter_add_(1, self.kept[rows], y)
+        t = (gram_p.gather(1, pruned) - (spread @ self.gram64).gather(1, pruned)) * self.pruned_ok[rows]
+        y[ar, dest] = -1.0
+        self.hdiag[rows] += y * (y / pivot[:, None])
+        self.coef[rows] -= y * ratio[:, None]
+        self.resid[rows] -= t * ratio[:, None]
+        self.schur[rows] -= t * t / pivot[:, None]
+        self._append(rows, y, 1.0 / pivot, t / -pivot[:, None])
+        self.kept[rows, dest] = p
+        self.kept_ok[rows, dest] = True
+        return p
+
+    def swap(self, rows: torch.Tensor, slot_i: torch.Tensor, slot_j: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Swap kept slot ``slot_i`` and pruned slot ``slot_j`` of each (distinct) row (``[n]`` int64 each), in
+        place; returns the inputs ``(u, p)`` (as :func:`~sparseswaps_prune.core.refit_swaps.swap_slots`)."""
+        self._make_room(2)
+        incoming = self._remove(rows, slot_i)
+        return incoming[0], self._restore(rows, slot_j, slot_i, incoming)
+
+    def remove(self, rows: torch.Tensor, slot_i: torch.Tensor, vacant_j: torch.Tensor) -> torch.Tensor:
+        """Prune kept slot ``slot_i`` of each row into its vacant pruned slot ``vacant_j``; returns the inputs."""
+        self._make_room(1)
+        incoming = self._remove(rows, slot_i)
+        self._place(rows, vacant_j, incoming)
+        return incoming[0]
+
+    def add(self, rows: torch.Tensor, slot_j: torch.Tensor, vacant_i: torch.Tensor) -> torch.Tensor:
+        """Restore pruned slot ``slot_j`` of each row into its vacant kept slot ``vacant_i`` (the pruned slot
+        becomes vacant); returns the inputs."""
+        self._make_room(1)
+        return self._restore(rows, slot_j, vacant_i, None)
+
+    def grow(self, k_slots: int, q_slots: int) -> None:
+        """Enlarge to at least ``k_slots`` kept and ``q_slots`` pruned slots (new slots vacant), in place."""
+        k_old, q_old = self.slots
+        k_new, q_new = max(k_old, k_slots), max(q_old, q_slots)
+        if (k_new, q_new) == (k_old, q_old):
+            return
+
+        def pad(t: torch.Tensor, dims: dict[int, int], fill: float = 0) -> torch.Tensor:
+            shape = [dims.get(i, s) for i, s in enumerate(t.shape)]
+            out = torch.full(shape, fill, dtype=t.dtype, device=t.device)
+            out[tuple(slice(0, s) for s in t.shape)] = t
+            return out
+
+        k, q = {1: k_new}, {1: q_new}
+        self.kept, self.kept_ok, self.coef, self.hdiag = (pad(t, k) for t in (self.kept, self.kept_ok, self.coef,
+                                                                              self.hdiag))  # fmt: skip
+        self.pruned, self.pruned_ok, self.resid = (pad(t, q) for t in (self.pruned, self.pruned_ok, self.resid))
+        self.schur = pad(self.schur, q, 1.0)
+        self.inv = pad(self.inv, {1: k_new, 2: k_new})
+        self.zt = pad(self.zt, {1: q_new, 2: k_new})
+        self.fa = pad(self.fa, {2: k_new})
+        self.fb = pad(self.fb, {2: q_new})
+
+    def fitted(self) -> torch.Tensor:
+        """``[R, d]`` float64 re-fitted weights ``v`` (zero off the kept set)."""
+        out = torch.zeros(self.w64.shape, dtype=torch.float64, device=self.w64.device)
+        return out.scatter_add_(1, self.kept, torch.where(self.kept_ok, self.coef, 0.0))
