@@ -346,7 +346,7 @@ def best_additions(
     return _row_min(gain, pruned)
 
 
-def _add_rows(target: torch.Tensor, rows: torch.Tensor, src: torch.Tensor) -> None:
+def add_rows(target: torch.Tensor, rows: torch.Tensor, src: torch.Tensor) -> None:
     """``target[rows] += src`` in place for distinct ``rows``. On the CPU row by row: ``index_add_`` there is
     multi-threaded even for tiny updates and stalls on a busy machine; elsewhere ``index_add_``."""
     if target.device.type != "cpu":
@@ -358,7 +358,7 @@ def _add_rows(target: torch.Tensor, rows: torch.Tensor, src: torch.Tensor) -> No
 
 def add_outer(target: torch.Tensor, rows: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     """``target[rows[n]] += a[n, :, None] * b[n, None, :]`` in place (``target`` ``[R, A, B]``, distinct ``rows``)."""
-    _add_rows(target, rows, a[:, :, None] * b[:, None, :])
+    add_rows(target, rows, a[:, :, None] * b[:, None, :])
 
 
 OuterAdd = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]

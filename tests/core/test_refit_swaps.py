@@ -363,3 +363,15 @@ def test_default_row_batch_grows_with_the_cuda_devices_memory(monkeypatch):
     want = int(80 * 2**30 * rs.REFIT_CUDA_FRACTION) // 8 // per_row
     assert refine._default_row_batch(keep, True, 0, torch.device("cuda")) == want == 83
     assert refine._default_row_batch(keep, False, 0, torch.device("cuda")) == refine.ROW_BATCH_ELEMENTS // 4096
+
+
+def test_lazy_states_reject_bad_arguments():
+    from sparseswaps_prune.core.backends.refit_lazy import LazyRefitState
+    from sparseswaps_prune.core.backends.refit_numba import NumbaRefitState
+
+    weight = torch.randn(2, 8, dtype=torch.float64)
+    gram, keep = weight.T @ weight + torch.eye(8, dtype=torch.float64), weight.abs() > 0.5
+    with pytest.raises(ValueError, match="factor_slots must be an even number"):
+        LazyRefitState(weight, keep, gram, 0.1, 8, 8, None, factor_slots=3)
+    with pytest.raises(ValueError, match="runs on the CPU; got tensors on meta"):
+        NumbaRefitState(weight.to("meta"), keep, gram, 0.1, 8, 8, None)

@@ -237,10 +237,10 @@ class LazyRefitState:
         ratio = self.coef[rows, slot] / h_uu
         z_row = self._z_row(rows, slot)
         scaled = h / -h_uu[:, None]
-        self.hdiag[rows] += h * scaled
-        self.coef[rows] -= h * ratio[:, None]
-        self.resid[rows] += z_row * ratio[:, None]
-        self.schur[rows] += z_row * z_row / h_uu[:, None]
+        rs.add_rows(self.hdiag, rows, h * scaled)
+        rs.add_rows(self.coef, rows, h * -ratio[:, None])
+        rs.add_rows(self.resid, rows, z_row * ratio[:, None])
+        rs.add_rows(self.schur, rows, z_row * z_row / h_uu[:, None])
         self._append(rows, scaled, -h_uu, z_row)
         self.inv[rows, slot, :] = 0.0
         self.inv[rows, :, slot] = 0.0
@@ -279,10 +279,10 @@ class LazyRefitState:
         spread = torch.zeros_like(gram_p).scatter_add_(1, self.kept[rows], y)
         t = (gram_p.gather(1, pruned) - (spread @ self.gram64).gather(1, pruned)) * self.pruned_ok[rows]
         y[ar, dest] = -1.0
-        self.hdiag[rows] += y * (y / pivot[:, None])
-        self.coef[rows] -= y * ratio[:, None]
-        self.resid[rows] -= t * ratio[:, None]
-        self.schur[rows] -= t * t / pivot[:, None]
+        rs.add_rows(self.hdiag, rows, y * (y / pivot[:, None]))
+        rs.add_rows(self.coef, rows, y * -ratio[:, None])
+        rs.add_rows(self.resid, rows, t * -ratio[:, None])
+        rs.add_rows(self.schur, rows, t * t / -pivot[:, None])
         self._append(rows, y, 1.0 / pivot, t / -pivot[:, None])
         self.kept[rows, dest] = p
         self.kept_ok[rows, dest] = True

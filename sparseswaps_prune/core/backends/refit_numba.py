@@ -287,23 +287,12 @@ class NumbaRefitState(LazyRefitState):
         ValueError: tensors off the CPU, a bad ``factor_slots``, or a singular ``G_SS + lambda I`` (names the rows).
     """
 
-    def __init__(
-        self,
-        w64: torch.Tensor,
-        keep: torch.Tensor,
-        gram64: torch.Tensor,
-        lam: float,
-        k_slots: int,
-        q_slots: int,
-        m: int | None,
-        *,
-        factor_slots: int | None = None,
-        row_offset: int | torch.Tensor = 0,
-    ) -> None:
+    def __init__(self, w64: torch.Tensor, *args, **kwargs) -> None:
+        """Arguments as :class:`~sparseswaps_prune.core.backends.refit_lazy.LazyRefitState`'s (CPU tensors)."""
         if w64.device.type != "cpu":
             raise ValueError(f"the numba re-fit engine runs on the CPU; got tensors on {w64.device}")
         self.visited = 0  # pruned columns visited by the scans so far (statistics)
-        super().__init__(w64, keep, gram64, lam, k_slots, q_slots, m, factor_slots=factor_slots, row_offset=row_offset)
+        super().__init__(w64, *args, **kwargs)
 
     def scan(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Best swap of every row in ``rows`` (``[n]`` int64): ``dF`` ``[n]`` float64 (``+inf`` where no feasible
