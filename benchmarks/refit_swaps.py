@@ -2,8 +2,8 @@
 
 For each width d_in at ``--pattern`` (60% per row by default, or N:M; Wanda warmstart on a random correlated layer),
 prints per row and per re-fit engine (the torch reference and, on the CPU, the compiled numba engine, on CUDA the
-fused Triton kernels and the lazy state with the Triton scan; ``same``: the engine applied the first engine's swaps
-in every timed iteration): the time to
+fused Triton kernels and the lazy state with the Triton scan and its moves in two kernels, ``lazy-torch`` with its
+moves as torch operations; ``same``: the engine applied the first engine's swaps in every timed iteration): the time to
 build the float64 re-fit state (Cholesky of G_SS + lambda I, H, v, r, s and Z = H G[S, P]: O(k^2 (d_in - k))) and of
 one re-fit iteration (the updates of the applied swaps, then the pair scan of the swapped rows), against a
 least-squares re-fit of the same mask (refit_weights) and one mask-only iteration (best_swaps on the default
@@ -17,7 +17,7 @@ Triton engine's slot counts are rounded up to a multiple of it; 1: the exact cou
 only from a quiet machine.
 
     python benchmarks/refit_swaps.py [--device cpu] [--widths 576 1536 4096] [--rows 8] [--iters 8] [--threads N]
-                                     [--pattern 60%|2:4] [--slot-align 16] [--engines triton lazy]
+                                     [--pattern 60%|2:4] [--slot-align 16] [--engines triton lazy lazy-torch]
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import time
 import torch
 from common import cuda_sync, pattern_options, random_layer, timed
 
-from sparseswaps_prune.core.backends import best_swaps, resolve_backend, triton_available
+from sparseswaps_prune.core.backends import best_swaps, refit_lazy, resolve_backend, triton_available
 from sparseswaps_prune.core.losses import correlation
 from sparseswaps_prune.core.refine import Figures, RefitRows
 from sparseswaps_prune.core.refit import damping, factor_kept, refit_weights
@@ -66,7 +66,8 @@ def measure(
     plus the pair scan of the swapped rows (a row whose best swap does not lower ``F`` keeps its figures, as in
     ``refine.iterate``), averaged over ``iters`` iterations after one
     warm-up iteration (the lazy engines fold their pending terms every few moves). ``engines``: ``RefitRows``
-    engines (default: torch and numba on the CPU; torch, triton and lazy on CUDA). ``pattern``: ``"60%"``,
+    engines, or ``lazy-torch`` (default: torch and numba on the CPU; torch, triton, lazy, lazy-torch on CUDA).
+    ``pattern``: ``"60%"``,
     ``"2:4"``, ... (``search`` must be ``"nm"`` for N:M)."""
     nm = pattern_options(pattern)["nm"]
     weight, gram, keep = (t.to(device) for t in random_layer(d_in, n_rows, pattern, dtype=torch.float64))
@@ -81,13 +82,19 @@ def measure(
     )
     if engines is None:
         cpu = weight.device.type == "cpu"
-        engines = ["torch", "numba"] if cpu else ["torch"] + ["triton", "lazy"] * triton_available()
+        engines = ["torch", "numba"] if cpu else ["torch"] + ["triton", "lazy", "lazy-torch"] * triton_available()
     figures, masks = {}, {}
     for engine in engines:
 
         def build(engine: str = engine) -> RefitRows:
             m = nm[1] if nm else None
-            return RefitRows(weight, keep.clone(), gram, lam=lam, m=m, row_batch=n_rows, cross=False, engine=engine)
+            # "lazy-torch": the lazy state with its moves as torch operations instead of the two kernels
+            refit_lazy.TRITON_MOVES = engine != "lazy-torch"
+            try:
+                return RefitRows(weight, keep.clone(), gram, lam=lam, m=m, row_batch=n_rows, cross=False,
+                                 engine=engine.removesuffix("-torch"))  # fmt: skip
+            finally:
+                refit_lazy.TRITON_MOVES = True
 
         build_s = timed(build, repeat=BUILD_REPEAT)
         model = build()
@@ -135,7 +142,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     parser.add_argument("--pattern", default="60%", help="e.g. 60%% or 2:4")
     parser.add_argument("--slot-align", type=int, default=None, help="refit_triton.SLOT_ALIGN (default: as is)")
-    parser.add_argument("--engines", nargs="+", default=None, help="e.g. triton lazy (default: all of the device's)")
+    parser.add_argument("--engines", nargs="+", default=None, help="e.g. triton lazy lazy-torch (default: all)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)

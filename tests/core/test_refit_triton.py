@@ -268,3 +268,56 @@ def test_the_scan_of_a_lazy_state_reads_its_pending_terms(nm):
         for g, r in zip(lazy.swap(rows, got[1], got[2]), ref_up, strict=True):  # the inputs (u, p)
             assert torch.equal(g, r)
     assert max(ranks) == 4 and 2 in ranks[2:]  # pending terms read by the kernel, and folds
+
+
+@pytest.mark.parametrize("scope,nm", [("row", None), ("row", (2, 4)), ("layer", None)])
+def test_the_lazy_states_kernels_choose_the_torch_engines_swaps(scope, nm, monkeypatch):
+    """The lazy state with the kernel's scan and its moves in the two kernels of ``refit_lazy_triton`` (swaps, and
+    across rows removals and restores), folds every second swap, against the torch reference."""
+    from sparseswaps_prune.core.backends import refit_lazy
+
+    weight, gram, keep = _layer(6, 32, seed=7, nm=nm)
+    options = {"max_iters": 40, "nm": nm, "objective": "refit", "damp": 0.01, "scope": scope}
+    reference = refine_mask(weight, gram, keep, backend="torch", **options)
+    built = []
+
+    def kernels(*args, **kwargs):
+        built.append(refit_lazy.LazyRefitState(*args, **{**kwargs, "triton_scan": True, "factor_slots": 4}))
+        return built[-1]
+
+    monkeypatch.setattr(refine, "resolve_refit_backend", lambda backend, device: "lazy")
+    monkeypatch.setattr(refine, "LazyRefitState", kernels)
+    run = refine_mask(weight, gram, keep, backend="torch", **options)
+    assert built and all(state.triton_moves for state in built)  # TRITON_MOVES: the kernels with the Triton scan
+    assert torch.equal(reference.mask, run.mask)
+    assert reference.n_swaps.tolist() == run.n_swaps.tolist() and int(run.n_swaps.sum()) > 0
+    torch.testing.assert_close(reference.weight, run.weight, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("nm", [None, (2, 4)])
+def test_the_lazy_states_kernel_moves_are_its_torch_moves(nm):
+    """Swaps, removals and restores by the kernels give the torch moves' state (up to rounding), across folds."""
+    weight, gram, keep = _layer(7, 300, seed=4, nm=nm)
+    lam, d, counts = damping(gram, 0.01), keep.shape[1], keep.sum(1)
+    k, q = (refit_triton.aligned_slots(n, d) + 16 for n in (int(counts.max()), d - int(counts.min())))  # spare slots
+    m = nm[1] if nm else None
+    states = [LazyRefitState(weight, keep.clone(), gram, lam, k, q, m, factor_slots=4, triton_scan=True,
+                             triton_moves=fused) for fused in (False, True)]  # fmt: skip
+    for step in range(6):
+        rows = torch.tensor([6, 0, 3, 1][step % 2 :], device=DEVICE)
+        scans = [state.scan(rows) for state in states]
+        assert torch.equal(scans[0][1], scans[1][1]) and torch.equal(scans[0][2], scans[1][2])
+        if step in (2, 3):  # a removal into a vacant pruned slot, then a restore into the vacant kept slot
+            vacant_j = (~states[0].pruned_ok[rows]).to(torch.int8).argmax(dim=1)
+            out = [state.remove(rows, scans[0][1], vacant_j) for state in states]
+            vacant_i = (~states[0].kept_ok[rows]).to(torch.int8).argmax(dim=1)
+            out += [state.add(rows, scans[0][2], vacant_i) for state in states]
+        else:
+            out = [torch.stack(state.swap(rows, scans[0][1], scans[0][2])) for state in states]
+        assert torch.equal(out[0], out[1])
+        assert len(out) == 2 or torch.equal(out[2], out[3])
+        for name in ("kept", "kept_ok", "pruned", "pruned_ok", "rank"):
+            assert torch.equal(getattr(states[0], name), getattr(states[1], name)), name
+        for name in ("hdiag", "coef", "resid", "schur", "zt", "inv", "fa", "fc", "fb"):
+            torch.testing.assert_close(getattr(states[1], name), getattr(states[0], name), rtol=1e-9, atol=1e-9)
+    assert int(states[1].rank.max()) > 0
