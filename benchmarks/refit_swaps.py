@@ -89,12 +89,12 @@ def measure(
         def build(engine: str = engine) -> RefitRows:
             m = nm[1] if nm else None
             # "lazy-torch": the lazy state with its moves as torch operations instead of the two kernels
-            refit_lazy.TRITON_MOVES = engine != "lazy-torch"
+            refit_lazy.FUSED = engine != "lazy-torch"
             try:
                 return RefitRows(weight, keep.clone(), gram, lam=lam, m=m, row_batch=n_rows, cross=False,
                                  engine=engine.removesuffix("-torch"))  # fmt: skip
             finally:
-                refit_lazy.TRITON_MOVES = True
+                refit_lazy.FUSED = True
 
         build_s = timed(build, repeat=BUILD_REPEAT)
         model = build()

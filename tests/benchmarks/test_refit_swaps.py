@@ -26,7 +26,7 @@ def test_measure_times_the_engines_asked_for(benchmark_script):
     bench = benchmark_script("refit_swaps")
     figures = bench.measure(24, 3, "cpu", 0.01, "torch", iters=2, engines=["lazy", "torch", "lazy-torch"])[2]
     assert list(figures) == ["lazy", "torch", "lazy-torch"] and all(same for _, _, same in figures.values())
-    assert bench.refit_lazy.TRITON_MOVES  # restored after the lazy-torch engine
+    assert bench.refit_lazy.FUSED  # restored after the lazy-torch engine
 
 
 def test_the_floor_computes_the_states_schur_complements(benchmark_script):

@@ -288,7 +288,7 @@ def test_the_lazy_states_kernels_choose_the_torch_engines_swaps(scope, nm, monke
     monkeypatch.setattr(refine, "resolve_refit_backend", lambda backend, device: "lazy")
     monkeypatch.setattr(refine, "LazyRefitState", kernels)
     run = refine_mask(weight, gram, keep, backend="torch", **options)
-    assert built and all(state.triton_moves for state in built)  # TRITON_MOVES: the kernels with the Triton scan
+    assert built and all(state.fused for state in built)  # FUSED: the kernels with the Triton scan
     assert torch.equal(reference.mask, run.mask)
     assert reference.n_swaps.tolist() == run.n_swaps.tolist() and int(run.n_swaps.sum()) > 0
     torch.testing.assert_close(reference.weight, run.weight, rtol=1e-9, atol=1e-12)
@@ -302,7 +302,7 @@ def test_the_lazy_states_kernel_moves_are_its_torch_moves(nm):
     k, q = (refit_triton.aligned_slots(n, d) + 16 for n in (int(counts.max()), d - int(counts.min())))  # spare slots
     m = nm[1] if nm else None
     states = [LazyRefitState(weight, keep.clone(), gram, lam, k, q, m, factor_slots=4, triton_scan=True,
-                             triton_moves=fused) for fused in (False, True)]  # fmt: skip
+                             fused=fused) for fused in (False, True)]  # fmt: skip
     for step in range(6):
         rows = torch.tensor([6, 0, 3, 1][step % 2 :], device=DEVICE)
         scans = [state.scan(rows) for state in states]
@@ -321,3 +321,33 @@ def test_the_lazy_states_kernel_moves_are_its_torch_moves(nm):
         for name in ("hdiag", "coef", "resid", "schur", "zt", "inv", "fa", "fc", "fb"):
             torch.testing.assert_close(getattr(states[1], name), getattr(states[0], name), rtol=1e-9, atol=1e-9)
     assert int(states[1].rank.max()) > 0
+
+
+@pytest.mark.parametrize("nm", [None, (2, 4)])
+def test_the_lazy_states_scan_terms_kernel_gives_the_torch_prologues_terms(nm):
+    """``refit_lazy_triton.scan_terms`` (one kernel) against the torch prologue of ``refit_triton.scan_swaps`` on a
+    lazy state with pending terms: the same terms bit for bit and the same slots to scan, also where a broken
+    ``H_uu <= 0`` makes a row scan every restorable slot."""
+    from sparseswaps_prune.core.backends.refit_lazy_triton import scan_terms
+
+    weight, gram, keep = _layer(7, 300, seed=4, nm=nm)
+    lam, d, counts = damping(gram, 0.01), keep.shape[1], keep.sum(1)
+    k, q = (refit_triton.aligned_slots(n, d) for n in (int(counts.max()), d - int(counts.min())))
+    m = nm[1] if nm else None
+    lazy = LazyRefitState(weight, keep.clone(), gram, lam, k, q, m, triton_scan=True)
+    rows = torch.tensor([6, 0, 3, 1], device=DEVICE)
+    for _ in range(2):  # pending terms
+        _, slot_i, slot_j = lazy.scan(rows)
+        lazy.swap(rows, slot_i, slot_j)
+    assert int(lazy.rank.max()) == 4
+    lazy.hdiag[3, int(lazy.kept_ok[3].to(torch.int8).argmax())] = -1.0  # row 3: no bound
+    got = scan_terms(lazy, rows, refit_triton.THRESHOLD_COLUMNS)
+    h_safe, ratio, remove = rs.removal_terms(lazy, rows)
+    ok = rs.restorable(lazy, weight, rows)
+    need = refit_triton.columns_to_scan(lazy, rows, (h_safe, ratio, remove), ok, lazy.floor, m)
+    want = [ratio, h_safe, remove, lazy.kept[rows], lazy.kept_ok[rows].to(torch.int8), lazy.resid[rows],
+            lazy.schur[rows], lazy.pruned[rows], ok.to(torch.int8), lazy.floor[lazy.pruned[rows]],
+            need.to(torch.int8)]  # fmt: skip
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert g.dtype == w.dtype and torch.equal(g, w), i
+    assert torch.equal(need[2], ok[2]) and int(need[:2].sum()) < int(ok[:2].sum())  # the bound skips, but not row 3

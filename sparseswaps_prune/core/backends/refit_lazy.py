@@ -32,9 +32,9 @@ from sparseswaps_prune.core import refit_swaps as rs
 # bytes per row, F / K of the state's (4-28% at 60% of 4096-576 inputs).
 FACTOR_SLOTS = 64
 
-# With the Triton scan, the moves run as the two kernels of refit_lazy_triton (one launch each per call, against
-# dozens of torch operations); False: batched torch operations (for an A/B on a GPU).
-TRITON_MOVES = True
+# With the Triton scan, the moves run as the two kernels of refit_lazy_triton and the scan's terms come from its
+# third (one launch each per call, against dozens of torch operations); False: batched torch operations (an A/B).
+FUSED = True
 
 # Elements of the [rows, Q, K] temporaries of one build chunk (32 MiB float64 each).
 BUILD_ELEMENTS = 1 << 22
@@ -69,8 +69,9 @@ class LazyRefitState:
         triton_scan: scan with the Triton engine's kernel (:func:`refit_triton.scan_swaps`: CUDA tensors, or CPU
             ones in the Triton interpreter; its slot counts should be :func:`refit_triton.aligned_slots`) instead of
             the torch reference's scan of the materialised rows.
-        triton_moves: apply the moves by the two kernels of :mod:`.refit_lazy_triton` (same devices) instead of
-            batched torch operations (default: :data:`TRITON_MOVES` where ``triton_scan``).
+        fused: apply the moves by the two kernels of :mod:`.refit_lazy_triton` and gather the scan's terms by its
+            third (same devices) instead of batched torch operations (default: :data:`FUSED` where
+            ``triton_scan``).
 
     Every row is built on construction (:meth:`build`).
 
@@ -91,7 +92,7 @@ class LazyRefitState:
         factor_slots: int | None = None,
         row_offset: int | torch.Tensor = 0,
         triton_scan: bool = False,
-        triton_moves: bool | None = None,
+        fused: bool | None = None,
     ) -> None:
         factor_slots = factor_slots or FACTOR_SLOTS
         if factor_slots < 2 or factor_slots % 2:
@@ -99,7 +100,7 @@ class LazyRefitState:
         self.w64, self.keep = w64.contiguous(), keep
         self.gram64 = gram64.contiguous()
         self.lam, self.m, self.factor_slots, self.triton_scan = lam, m, factor_slots, triton_scan
-        self.triton_moves = triton_scan and TRITON_MOVES if triton_moves is None else triton_moves
+        self.fused = triton_scan and FUSED if fused is None else fused
         self.floor = rs.pivot_floor(self.gram64, lam).contiguous()
         rows, dev = w64.shape[0], w64.device
         long, f64 = {"dtype": torch.long, "device": dev}, {"dtype": torch.float64, "device": dev}
@@ -300,7 +301,7 @@ class LazyRefitState:
         """Swap kept slot ``slot_i`` and pruned slot ``slot_j`` of each (distinct) row (``[n]`` int64 each), in
         place; returns the inputs ``(u, p)`` (as :func:`~sparseswaps_prune.core.refit_swaps.swap_slots`)."""
         self._make_room(2)
-        if self.triton_moves:
+        if self.fused:
             return self._kernel_moves("SWAP", rows, slot_i, slot_j)
         incoming = self._remove(rows, slot_i)
         return incoming[0], self._restore(rows, slot_j, slot_i, incoming)
@@ -308,7 +309,7 @@ class LazyRefitState:
     def remove(self, rows: torch.Tensor, slot_i: torch.Tensor, vacant_j: torch.Tensor) -> torch.Tensor:
         """Prune kept slot ``slot_i`` of each row into its vacant pruned slot ``vacant_j``; returns the inputs."""
         self._make_room(1)
-        if self.triton_moves:
+        if self.fused:
             return self._kernel_moves("REMOVE", rows, slot_i, vacant_j)[0]
         incoming = self._remove(rows, slot_i)
         self._place(rows, vacant_j, incoming)
@@ -318,7 +319,7 @@ class LazyRefitState:
         """Restore pruned slot ``slot_j`` of each row into its vacant kept slot ``vacant_i`` (the pruned slot
         becomes vacant); returns the inputs."""
         self._make_room(1)
-        if self.triton_moves:
+        if self.fused:
             return self._kernel_moves("ADD", rows, vacant_i, slot_j)[1]
         return self._restore(rows, slot_j, vacant_i, None)
 

@@ -1,6 +1,7 @@
-"""The lazy re-fit state's moves in two Triton kernels (CUDA, or CPU tensors in the Triton interpreter): the
-per-row work of :class:`~sparseswaps_prune.core.backends.refit_lazy.LazyRefitState`'s swaps, removals and restores
-without its dozens of small torch operations per call (each a launch and a pass over ``[n, K]`` or ``[n, Q]``).
+"""The lazy re-fit state's moves in two Triton kernels and its scan's terms in a third (CUDA, or CPU tensors in the
+Triton interpreter): the per-row work of :class:`~sparseswaps_prune.core.backends.refit_lazy.LazyRefitState`'s swaps,
+removals and restores, and of the prologue of :func:`refit_triton.scan_swaps`, without their dozens of small torch
+operations per call (each a launch and a pass over ``[n, K]`` or ``[n, Q]``).
 
 One program per row, in phases separated by barriers (a phase reads what the one before wrote, and no warp
 overwrites a scalar another may not have read yet):
@@ -13,8 +14,11 @@ overwrites a scalar another may not have read yet):
 * ``spread @ G`` in torch (one product for all rows of the call);
 * :func:`_restore_kernel` -- the restore: ``t_q = G_pq - (y^T G[S, :])_q``, the updates and the second pending term.
 
+:func:`scan_terms` (:func:`_prologue_kernel`, one program per row) writes the terms the scan kernel reads and the
+slots it must evaluate, as ``refit_triton.columns_to_scan`` chooses them.
+
 The operations are those of :mod:`~sparseswaps_prune.core.backends.refit_numba` in its order, compiled without fused
-multiply-add; the state is the torch moves' up to rounding (tests: the same swaps).
+multiply-add; the state is the torch moves' up to rounding (tests: the same swaps; the scan's terms bit for bit).
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from sparseswaps_prune.core.refit_swaps import SKIP_RTOL
 
 # Elements of K or Q per block of a row's program.
 MOVE_BLOCK = 128
@@ -225,3 +231,133 @@ def moves(state, mode: int, rows: torch.Tensor, slot_a: torch.Tensor, slot_b: to
             k_slots, q_slots, state.factor_slots, d, **common,
         )  # fmt: skip
     return out_u, out_p
+
+
+@triton.jit
+def _prologue_kernel(
+    rows_ptr, kept_ptr, kept_ok_ptr, pruned_ptr, pruned_ok_ptr, hdiag_ptr, coef_ptr, resid_ptr, schur_ptr, w_ptr,
+    floor_ptr, zt_ptr, fa_ptr, fb_ptr, rank_ptr, skip_ptr, ratio_out, h_out, remove_out, kept_out, kept_ok_out,
+    resid_out, schur_out, pruned_out, ok_out, floor_out, need_out, gain_ptr, K, Q, F, d,
+    M: tl.constexpr, C: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """Program ``e``: the scan's terms of row ``rows[e]`` as ``refit_triton.scan_swaps`` gathers them
+    (``refit_swaps.removal_terms``, ``restorable``, the pivot floor of each pruned slot) into ``[n, K]`` and
+    ``[n, Q]`` outputs, and ``need``: ``refit_triton.columns_to_scan`` with the costs of the row's ``C`` columns of
+    largest restore gain (``gain``: ``[n, Q]`` scratch)."""
+    e = tl.program_id(0).to(tl.int64)
+    r = tl.load(rows_ptr + e)
+    n_terms = tl.load(rank_ptr + r)
+    skip_rtol = tl.load(skip_ptr)
+    ks = tl.arange(0, BLOCK)
+    rem_max = tl.zeros([BLOCK], tl.float64)
+    broken = tl.zeros([BLOCK], tl.int32)
+    for x0 in range(0, K, BLOCK):  # removal_terms, as the reference
+        x = x0 + ks
+        x_in = x < K
+        ok = x_in & (tl.load(kept_ok_ptr + r * K + x, mask=x_in, other=0) != 0)
+        h = tl.where(ok, tl.load(hdiag_ptr + r * K + x, mask=x_in, other=1.0), 1.0)
+        coef = tl.load(coef_ptr + r * K + x, mask=x_in, other=0.0)
+        ratio = coef / h
+        remove = coef * ratio
+        tl.store(ratio_out + e * K + x, ratio, mask=x_in)
+        tl.store(h_out + e * K + x, h, mask=x_in)
+        tl.store(remove_out + e * K + x, remove, mask=x_in)
+        tl.store(kept_out + e * K + x, tl.load(kept_ptr + r * K + x, mask=x_in, other=0), mask=x_in)
+        tl.store(kept_ok_out + e * K + x, ok.to(tl.int8), mask=x_in)
+        rem_max = tl.maximum(rem_max, tl.where(ok, tl.abs(remove), 0.0))
+        broken += (ok & ~(h > 0)).to(tl.int32)
+    rem_top = tl.max(rem_max, axis=0)
+    bounded = tl.sum(broken, axis=0) == 0
+    for q0 in range(0, Q, BLOCK):  # restorable slots and their restore gains -r_p^2 / s_p
+        q = q0 + ks
+        q_in = q < Q
+        p = tl.load(pruned_ptr + r * Q + q, mask=q_in, other=0)
+        slot_ok = q_in & (tl.load(pruned_ok_ptr + r * Q + q, mask=q_in, other=0) != 0)
+        ok = slot_ok & (tl.load(w_ptr + r * d + p, mask=slot_ok, other=0.0) != 0)
+        resid = tl.load(resid_ptr + r * Q + q, mask=q_in, other=0.0)
+        schur = tl.load(schur_ptr + r * Q + q, mask=q_in, other=1.0)
+        positive = ok & (schur > 0)
+        gain = tl.where(positive, -(resid * resid) / tl.where(positive, schur, 1.0), float("inf"))
+        gain = tl.where(ok & ~positive, -float("inf"), gain)
+        tl.store(gain_ptr + e * Q + q, gain, mask=q_in)
+        tl.store(resid_out + e * Q + q, resid, mask=q_in)
+        tl.store(schur_out + e * Q + q, schur, mask=q_in)
+        tl.store(pruned_out + e * Q + q, p, mask=q_in)
+        tl.store(ok_out + e * Q + q, ok.to(tl.int8), mask=q_in)
+        tl.store(floor_out + e * Q + q, tl.load(floor_ptr + p, mask=q_in, other=0.0), mask=q_in)
+    tl.debug_barrier()  # the gains are read back below
+    reached = tl.full([BLOCK], float("inf"), tl.float64)  # per lane, reduced at the end
+    last_gain = -float("inf")
+    last_slot = -1
+    for _c in tl.static_range(C):  # the next column of largest restore gain (smallest -gain, then slot)
+        lane_gain = tl.full([BLOCK], float("inf"), tl.float64)
+        lane_slot = tl.full([BLOCK], Q, tl.int32)
+        for q0 in range(0, Q, BLOCK):
+            q = q0 + ks
+            gain = tl.load(gain_ptr + e * Q + q, mask=q < Q, other=float("inf"))
+            later = (gain > last_gain) | ((gain == last_gain) & (q > last_slot))  # after the columns taken
+            gain = tl.where(later & (q < Q), gain, float("inf"))
+            take = gain < lane_gain  # slots ascend along a lane: ties keep the smaller
+            lane_slot = tl.where(take, q, lane_slot)
+            lane_gain = tl.where(take, gain, lane_gain)
+        best_gain = tl.min(lane_gain, axis=0)
+        best_slot = tl.min(tl.where(lane_gain == best_gain, lane_slot, Q), axis=0)
+        if best_slot < Q:  # its pair costs over the kept slots (Z's column through the pending terms)
+            p_j = tl.load(pruned_ptr + r * Q + best_slot)
+            schur_j = tl.load(schur_ptr + r * Q + best_slot)
+            resid_j = tl.load(resid_ptr + r * Q + best_slot)
+            floor_j = tl.load(floor_ptr + p_j)
+            j_ok = (tl.load(pruned_ok_ptr + r * Q + best_slot) != 0) & (tl.load(w_ptr + r * d + p_j) != 0)
+            for x0 in range(0, K, BLOCK):
+                x = x0 + ks
+                x_in = x < K
+                ok = x_in & (tl.load(kept_ok_ptr + r * K + x, mask=x_in, other=0) != 0) & j_ok
+                h = tl.where(ok, tl.load(hdiag_ptr + r * K + x, mask=x_in, other=1.0), 1.0)
+                coef = tl.load(coef_ptr + r * K + x, mask=x_in, other=0.0)
+                ratio = coef / h
+                z = tl.load(zt_ptr + (r * Q + best_slot) * K + x, mask=x_in, other=0.0)
+                for t in range(n_terms):
+                    b = tl.load(fb_ptr + (r * F + t) * Q + best_slot)
+                    z += tl.load(fa_ptr + (r * F + t) * K + x, mask=x_in, other=0.0) * b
+                pivot = z * z / h + schur_j
+                num = z * ratio + resid_j
+                cost = coef * ratio - num * num / pivot
+                ok = ok & (pivot > floor_j)
+                if M > 0:
+                    ok = ok & (tl.load(kept_ptr + r * K + x, mask=x_in, other=0) // M == p_j // M)
+                reached = tl.minimum(reached, tl.where(ok, cost, float("inf")))
+        last_gain = best_gain
+        last_slot = best_slot
+    reached_row = tl.min(reached, axis=0)
+    for q0 in range(0, Q, BLOCK):  # the slots whose bound -gain can reach the cost reached (NaN: scanned)
+        q = q0 + ks
+        q_in = q < Q
+        gain = tl.load(gain_ptr + e * Q + q, mask=q_in, other=0.0)
+        need = ~(gain > reached_row + skip_rtol * (rem_top - gain)) | ~bounded
+        need = need & (tl.load(ok_out + e * Q + q, mask=q_in, other=0) != 0)
+        tl.store(need_out + e * Q + q, need.to(tl.int8), mask=q_in)
+
+
+def scan_terms(state, rows: torch.Tensor, threshold_columns: int) -> list[torch.Tensor]:
+    """The terms ``refit_triton.scan_swaps`` passes its kernel for rows ``rows`` of the lazy ``state``, in its
+    order -- ``ratio``, ``h_safe``, ``remove``, ``kept``, ``kept_ok`` (int8), ``resid``, ``schur``, ``pruned``,
+    restorable (int8), the pivot floor of each pruned slot, ``need`` (int8) -- from one kernel launch instead of
+    the torch prologue's gathers and ``columns_to_scan`` (``threshold_columns`` columns set the threshold)."""
+    n, (k_slots, q_slots), d = rows.numel(), state.slots, state.w64.shape[1]
+
+    def empty(slots: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(n, slots, dtype=dtype, device=rows.device)
+
+    f64, i64, i8 = torch.float64, torch.long, torch.int8
+    kept_side = [empty(k_slots, t) for t in (f64, f64, f64, i64, i8)]
+    pruned_side = [empty(q_slots, t) for t in (f64, f64, i64, i8, f64, i8)]
+    gain = empty(q_slots, f64)
+    skip = torch.tensor([SKIP_RTOL], dtype=f64, device=rows.device)
+    _prologue_kernel[(n,)](
+        rows.contiguous(), state.kept, state.kept_ok.view(torch.uint8), state.pruned,
+        state.pruned_ok.view(torch.uint8), state.hdiag, state.coef, state.resid, state.schur, state.w64,
+        state.floor, state.zt, state.fa, state.fb, state.rank, skip, *kept_side, *pruned_side, gain, k_slots,
+        q_slots, state.factor_slots, d, M=state.m or 0, C=threshold_columns, BLOCK=MOVE_BLOCK, num_warps=MOVE_WARPS,
+        enable_fp_fusion=False,
+    )  # fmt: skip
+    return kept_side + pruned_side

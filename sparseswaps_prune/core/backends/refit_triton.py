@@ -260,17 +260,23 @@ def scan_swaps(
     _check_contiguous(z, "scan_swaps")
     # a lazy state's pending terms (unused otherwise: z stands in)
     pending = (state.fa, state.fb, state.rank, state.factor_slots) if lazy else (z, z, rows, 0)
-    kept, kept_ok, pruned = state.kept[rows], state.kept_ok[rows], state.pruned[rows]
-    h_safe, ratio, remove = removal_terms(state, rows)  # as the reference
-    pruned_ok = restorable(state, w64, rows)
-    need = columns_to_scan(state, rows, (h_safe, ratio, remove), pruned_ok, pivot_floor, m)
+    if lazy and state.fused:  # the terms from one kernel (the state's own pivot floor)
+        from sparseswaps_prune.core.backends.refit_lazy_triton import scan_terms
+
+        terms = scan_terms(state, rows, THRESHOLD_COLUMNS)
+        kept, kept_ok, pruned, need = terms[3], terms[4] != 0, terms[7], terms[10] != 0
+    else:
+        kept, kept_ok, pruned = state.kept[rows], state.kept_ok[rows], state.pruned[rows]
+        h_safe, ratio, remove = removal_terms(state, rows)  # as the reference
+        pruned_ok = restorable(state, w64, rows)
+        need = columns_to_scan(state, rows, (h_safe, ratio, remove), pruned_ok, pivot_floor, m)
+        terms = [ratio, h_safe, remove, kept, kept_ok.to(torch.int8), state.resid[rows], state.schur[rows], pruned,
+                 pruned_ok.to(torch.int8), pivot_floor[pruned], need.to(torch.int8)]  # fmt: skip
     block_k, block_q, num_warps = SCAN_TILE
     n_tiles = triton.cdiv(q_slots, block_q)
     # N:M: the kept slots each tile of pruned slots can pair with (without N:M never read: rows stands in)
     k_lo, k_hi = kept_slot_ranges(kept, kept_ok, pruned, need, m, block_q) if m else (rows, rows)
-    terms = [ratio, h_safe, remove, kept, kept_ok.to(torch.int8), state.resid[rows], state.schur[rows], pruned,
-             pruned_ok.to(torch.int8), pivot_floor[pruned], need.to(torch.int8), k_lo, k_hi]  # fmt: skip
-    terms = [t.contiguous() for t in terms]
+    terms = [t.contiguous() for t in (*terms, k_lo, k_hi)]
     n_split, tiles_per_split = tile_splits(n, n_tiles, dev, q_splits, programs_per_sm=SCAN_PROGRAMS_PER_SM)
     part_val = torch.empty(n, n_split, dtype=torch.float64, device=dev)
     part_key = torch.empty(n, n_split, dtype=torch.long, device=dev)
