@@ -20,15 +20,15 @@ if [ "$stage" = short ]; then
   # larger row batches: the torch engine's launches are shared by more rows (not measured yet)
   step 150 python3 benchmarks/refit_swaps.py --device cuda --widths 576 1536 4096 --rows 64
 fi
-# the lazy state (refit_lazy: pending rank-one terms, the kernel's scan, its moves in two kernels or, lazy-torch, as
-# torch operations) against the eager Triton engine, and where its iteration's time goes: ~4 min on an H200 (not
-# run yet)
+# the lazy state (refit_lazy: pending rank-one terms, the kernel's scan, its moves and scan terms in three kernels
+# or, lazy-torch, in torch operations) against the eager Triton engine, and where its iteration's time goes:
+# estimated ~4 min on an H200 (not run yet; the log keeps what finished if the call's limit cuts it)
 if [ "$stage" = lazy ]; then
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   python3 -c "import torch, triton; print(torch.__version__, triton.__version__)"
   step 120 python3 -m pytest -q -p no:cacheprovider tests/core/test_refit_triton.py
   step 100 python3 benchmarks/refit_swaps.py --device cuda --widths 576 1536 4096 --rows 256 --engines triton lazy lazy-torch
-  step 150 python3 benchmarks/refit_swaps.py --device cuda --widths 14336 --rows 32 --engines triton lazy lazy-torch
+  step 180 python3 benchmarks/refit_swaps.py --device cuda --widths 14336 --rows 32 --engines triton lazy lazy-torch
   step 60 python3 benchmarks/refit_iteration_profile.py --lazy --width 4096 --rows 256
   step 100 python3 benchmarks/refit_swaps.py --device cuda --widths 576 1536 --rows 1536 --engines triton lazy lazy-torch
   step 60 python3 benchmarks/refit_iteration_profile.py --lazy --width 576 --rows 1536
