@@ -307,16 +307,12 @@ class RefitRows:
         self.row_index = (torch.arange(rows) if row_index is None else row_index.cpu()).to(w64.device)
         self.pivot_floor = rs.pivot_floor(gram64, lam)
         self.rounding = rs.ACCEPT_RTOL * ((w64 @ gram64) * w64).sum(dim=1)
-        if self.lazy:
-            if engine == "numba":
-                self.state = NumbaRefitState(
-                    w64, keep, gram64, lam, self.k_slots, self.q_slots, m, row_offset=self.row_index
-                )  # built on construction
-            else:
-                self.state = LazyRefitState(
-                    w64, keep, gram64, lam, self.k_slots, self.q_slots, m, row_offset=self.row_index,
-                    triton_scan=self.aligned,
-                )  # fmt: skip
+        if self.lazy:  # built on construction
+            lazy_state = NumbaRefitState if engine == "numba" else LazyRefitState
+            self.state = lazy_state(
+                w64, keep, gram64, lam, self.k_slots, self.q_slots, m, row_offset=self.row_index,
+                triton_scan=self.aligned,
+            )  # fmt: skip
         elif cross or rows > row_batch:  # fill a preallocated (contiguous) state, row batch by row batch
             self.state = _empty_state(rows, self.k_slots, self.q_slots, w64.device)
             self.resync(torch.arange(rows, device=w64.device))
