@@ -10,9 +10,10 @@ swaps). The diagonal of ``H``, ``v``, ``r`` and ``s`` are kept exactly (eagerly)
 ``t_q = G_pq - G[p, S] Z[:, q]`` is read off the shared Gram, ``sum_{s in S} y_s G[s, :]`` with ``y = Z[:, p]``
 (one matrix product for all rows of a call).
 
-:class:`LazyRefitState` holds the state and applies moves with batched torch operations on any device: its scan is
-the Triton engine's kernel reading the pending terms (:func:`refit_triton.scan_swaps`, on CUDA) or the torch
-reference scan of the materialised rows. The compiled CPU engine
+:class:`LazyRefitState` holds the state and applies moves with batched torch operations on any device, or (``fused``)
+with the Triton kernels of :mod:`~sparseswaps_prune.core.backends.refit_lazy_triton`; its scan is the Triton
+engine's kernel reading the pending terms (:func:`refit_triton.scan_swaps`, on CUDA) or the torch reference scan of
+the materialised rows. The compiled CPU engine
 (:class:`~sparseswaps_prune.core.backends.refit_numba.NumbaRefitState`) is the same state with its scan and moves
 in numba. The costs are not bit-identical to the eager reference (the state rounds in a different order); the
 engines choose the same swaps, as the tests check.
