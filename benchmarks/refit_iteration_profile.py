@@ -36,17 +36,16 @@ def main() -> None:
     cuda = args.device == "cuda"
     weight, gram, keep, state, floor, _ = triton_refit_layer(args.width, args.rows, "60%", args.device)
     rows = torch.arange(args.rows, device=args.device)
+    lam, (_, k, q) = damping(gram, 0.01), state.z.shape
+    if args.build or args.lazy:
+        del state  # the profiled builds, or the lazy state, need the memory
     if args.build:
-        lam, (_, k, q) = damping(gram, 0.01), state.z.shape
-        del state  # the profiled builds need the memory
 
         def step() -> None:
             rs.build_state(weight, keep, gram, lam, k, q)
 
         repeat = 2
     elif args.lazy:
-        lam, (_, k, q) = damping(gram, 0.01), state.z.shape
-        del state
         lazy = LazyRefitState(weight, keep, gram, lam, k, q, None, triton_scan=True)
         best, slot_i, slot_j = lazy.scan(rows)
 

@@ -409,6 +409,19 @@ def place_pruned(state: RefitState, rows: torch.Tensor, slot: torch.Tensor, inco
     state.pruned_ok[rows, slot] = True
 
 
+def restore_vector(
+    state: RefitState, rows: torch.Tensor, p: torch.Tensor, y: torch.Tensor, gram64: torch.Tensor
+) -> torch.Tensor:
+    """``[n, Q]`` restore vector ``t_q = G_pq - G[p, S] Z[:, q]`` of restoring input ``p[n]`` with column
+    ``y[n] = Z[:, p]`` (``[n, K]``, zero at vacant kept slots) into each row ``rows[n]``, over the rows' current
+    pruned slots (0 at vacant ones). Read off the shared Gram, ``G[p, S] Z[:, q] = y^T G[S, q]`` (``H`` is
+    symmetric): ``y`` spread over the inputs, one ``[n, d] x [d, d]`` product. ``state``: a ``RefitState`` or a
+    lazy one (only its slots are read)."""
+    gram_p, pruned = gram64[p], state.pruned[rows]  # [n, d] rows G[p, :]
+    spread = torch.zeros_like(gram_p).scatter_add_(1, state.kept[rows], y)
+    return (gram_p.gather(1, pruned) - (spread @ gram64).gather(1, pruned)) * state.pruned_ok[rows]
+
+
 def add_pruned(
     state: RefitState,
     rows: torch.Tensor,
@@ -423,10 +436,9 @@ def add_pruned(
 
     Block-inverse update of ``H`` with the pivot ``s_p`` and rank-one updates of ``v``, ``Z``, ``r``, ``s``
     (``O(k (d_in - k) + k^2)`` per row; the ``[n, K, K]`` and ``[n, K, Q]`` ones through ``outer``). The update's
-    vector ``t_q = G_pq - G[p, S] Z[:, q]`` is read off the shared Gram, ``G[p, S] Z[:, q] = y^T G[S, q]`` with
-    ``y = Z[:, p]`` (``H`` is symmetric): one ``[n, d] x [d, d]`` matrix product instead of a pass over the rows'
-    ``Z``. With ``incoming`` (a swap) the input pruned by :func:`remove_kept` takes over the pruned slot; otherwise
-    the slot is vacated. ``column``: ``[n, K]`` ``Z[:, p]`` as the state will hold it once ``outer``'s pending
+    vector ``t`` is read off the shared Gram (:func:`restore_vector`) instead of a pass over the rows' ``Z``. With
+    ``incoming`` (a swap) the input pruned by :func:`remove_kept` takes over the pruned slot; otherwise the slot is
+    vacated. ``column``: ``[n, K]`` ``Z[:, p]`` as the state will hold it once ``outer``'s pending
     updates land (an engine that defers them), taken over and modified; default: read from the state.
     """
     ar = torch.arange(rows.numel(), device=rows.device)
@@ -439,10 +451,7 @@ def add_pruned(
         state.pruned_ok[rows, slot] = False
     else:
         place_pruned(state, rows, slot, incoming)
-    # y is zero at vacant slots (dest included): spread it over the inputs, t_q = G_pq - y^T G[S, q]
-    gram_p, pruned = gram64[p], state.pruned[rows]  # [n, d] rows G[p, :]
-    spread = torch.zeros_like(gram_p).scatter_add_(1, state.kept[rows], y)
-    t = (gram_p.gather(1, pruned) - (spread @ gram64).gather(1, pruned)) * state.pruned_ok[rows]
+    t = restore_vector(state, rows, p, y, gram64)
     y[ar, dest] = -1.0
     outer(state.inv, rows, y, y / pivot[:, None])
     state.coef[rows] -= y * ratio[:, None]

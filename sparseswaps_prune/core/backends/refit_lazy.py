@@ -285,9 +285,7 @@ class LazyRefitState:
         ratio = self.resid[rows, slot] / pivot  # the restored weight's re-fitted value
         p = self.pruned[rows, slot]
         self._place(rows, slot, incoming)
-        gram_p, pruned = self.gram64[p], self.pruned[rows]  # [n, d] rows G[p, :]
-        spread = torch.zeros_like(gram_p).scatter_add_(1, self.kept[rows], y)
-        t = (gram_p.gather(1, pruned) - (spread @ self.gram64).gather(1, pruned)) * self.pruned_ok[rows]
+        t = rs.restore_vector(self, rows, p, y, self.gram64)
         y[ar, dest] = -1.0
         rs.add_rows(self.hdiag, rows, y * (y / pivot[:, None]))
         rs.add_rows(self.coef, rows, y * -ratio[:, None])

@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from sparseswaps_prune.core.backends.refit_triton import pair_cost
 from sparseswaps_prune.core.refit_swaps import SKIP_RTOL
 
 # Elements of K or Q per block of a row's program.
@@ -308,7 +309,7 @@ def _prologue_kernel(
             resid_j = tl.load(resid_ptr + r * Q + best_slot)
             floor_j = tl.load(floor_ptr + p_j)
             j_ok = (tl.load(pruned_ok_ptr + r * Q + best_slot) != 0) & (tl.load(w_ptr + r * d + p_j) != 0)
-            for x0 in range(0, K, BLOCK):
+            for x0 in range(0, K, BLOCK):  # the kept-slot terms again (fewer loads than reading them back)
                 x = x0 + ks
                 x_in = x < K
                 ok = x_in & (tl.load(kept_ok_ptr + r * K + x, mask=x_in, other=0) != 0) & j_ok
@@ -319,9 +320,7 @@ def _prologue_kernel(
                 for t in range(n_terms):
                     b = tl.load(fb_ptr + (r * F + t) * Q + best_slot)
                     z += tl.load(fa_ptr + (r * F + t) * K + x, mask=x_in, other=0.0) * b
-                pivot = z * z / h + schur_j
-                num = z * ratio + resid_j
-                cost = coef * ratio - num * num / pivot
+                pivot, cost = pair_cost(z, h, ratio, coef * ratio, schur_j, resid_j)
                 ok = ok & (pivot > floor_j)
                 if M > 0:
                     ok = ok & (tl.load(kept_ptr + r * K + x, mask=x_in, other=0) // M == p_j // M)

@@ -75,12 +75,19 @@ def aligned_slots(n_slots: int, d: int) -> int:
 
 
 @triton.jit
+def pair_cost(z, h, ratio, remove, schur, resid):
+    """``(pivot, cost)`` of pairs with ``Z`` entries ``z`` and the kept-slot (``h``, ``ratio``, ``remove``) and
+    pruned-slot (``schur``, ``resid``) terms, broadcast: :func:`refit_swaps.pair_costs`'s operations in its order
+    (no fma: launch with ``enable_fp_fusion=False``)."""
+    pivot = z * z / h + schur
+    t = z * ratio + resid
+    return pivot, remove - t * t / pivot
+
+
+@triton.jit
 def _fold_costs(z, ok, ratio, h, remove, kept, resid, schur, pruned, floor, acc, acc_key, d, M: tl.constexpr):
     """Pair costs of a ``[BLOCK_K, BLOCK_Q]`` tile of ``Z`` folded into the running ``(cost, key)`` minimum."""
-    # the reference's operations in its order (no fma: enable_fp_fusion=False at launch)
-    pivot = z * z / h[:, None] + schur[None, :]
-    t = z * ratio[:, None] + resid[None, :]
-    cost = remove[:, None] - t * t / pivot
+    pivot, cost = pair_cost(z, h[:, None], ratio[:, None], remove[:, None], schur[None, :], resid[None, :])
     ok = ok & (pivot > floor[None, :])
     if M > 0:
         ok = ok & ((kept // M)[:, None] == (pruned // M)[None, :])
