@@ -138,6 +138,14 @@ class Figures:
             for f in fields(cls)
         ))  # fmt: skip
 
+    @classmethod
+    def on_host(cls, values: list[torch.Tensor]) -> Figures:
+        """The figures ``values`` (``[n]`` float64 values and int64 handles on any device, in field order) copied to
+        the CPU in one transfer (the float64 bits travel as int64): one synchronisation per call, not one per
+        field."""
+        packed = torch.stack([t.view(torch.int64) if t.is_floating_point() else t for t in values]).cpu()
+        return cls(*(row.view(t.dtype) for row, t in zip(packed, values, strict=True)))
+
     def update(self, rows: torch.Tensor, other: Figures) -> None:
         """Overwrite the figures of ``rows`` (``[n]`` int64, CPU) with ``other`` (in that order), in place."""
         for f in fields(self):
@@ -214,7 +222,7 @@ class MaskRows:
             remove = torch.where(keep, 2 * w * corr + own, float("inf"))
             add = torch.where(~keep & (w != 0), own - 2 * w * corr, float("inf"))
             out += [*remove.min(dim=1), *add.min(dim=1)]  # first index on ties: the smallest u, p
-        return Figures(*(t.cpu() for t in out))
+        return Figures.on_host(out)
 
     def apply(self, swaps: Moves, cross: Moves | None = None) -> None:
         """Apply ``swaps = (rows, u, p)`` and ``cross = (donor rows, u, receiver rows, p)``, in place."""
@@ -345,7 +353,7 @@ class RefitRows:
                 *rs.best_removals(self.state, rows),
                 *rs.best_additions(self.state, self.w64, rows, self.pivot_floor),
             ]
-        return Figures(*(t.cpu() for t in out))
+        return Figures.on_host(out)
 
     def _align_slots(self, d: int) -> None:
         """Round the slot counts up where Triton kernels read the state (:func:`refit_triton.aligned_slots`;
@@ -498,10 +506,10 @@ def iterate(
         cross = None
         if plan.donor_rows.size:
             donors, receivers = torch.from_numpy(plan.donor_rows), torch.from_numpy(plan.receiver_rows)
-            cross = tuple(t.to(device) for t in (donors, figures.remove_a[donors], receivers, figures.add_b[receivers]))
+            cross = _to_device([donors, figures.remove_a[donors], receivers, figures.add_b[receivers]], device)
             changed = torch.cat([swaps, donors, receivers])
         rebuild = planner.rebuild_after(it, resync_every, max_iters)
-        moves = tuple(t.to(device) for t in (swaps, figures.swap_a[swaps], figures.swap_b[swaps]))
+        moves = _to_device([swaps, figures.swap_a[swaps], figures.swap_b[swaps]], device)
         model.apply(moves, cross)
         n_moves[changed] += 1
         dirty[changed] = True
@@ -516,6 +524,12 @@ def iterate(
         if it < max_iters:
             figures.update(refresh, model.figures(refresh.to(device), planner.cross))
     return n_moves, iters
+
+
+def _to_device(handles: list[torch.Tensor], device: torch.device) -> tuple[torch.Tensor, ...]:
+    """``[n]`` int64 CPU tensors on ``device`` in one host-to-device copy (views of one ``[len(handles), n]``
+    tensor)."""
+    return torch.stack(handles).to(device).unbind(0)
 
 
 def check_nm_mask(keep_mask: torch.Tensor, nm: tuple[int, int]) -> None:

@@ -3,7 +3,7 @@ import torch
 
 from sparseswaps_prune import refine_mask, refit_weights, row_losses, warmstart_mask
 from sparseswaps_prune.core.backends import resolve_backend
-from sparseswaps_prune.core.refine import LayerPlanner, MaskRows, RefitRows, RowPlanner, iterate
+from sparseswaps_prune.core.refine import Figures, LayerPlanner, MaskRows, RefitRows, RowPlanner, iterate
 from sparseswaps_prune.core.refit import damping
 from tests.core.reference import brute_layer_step, brute_refine, layer_problem, refit_floor, row_objective
 
@@ -132,3 +132,16 @@ def test_refine_rejects_bad_numbers(kwargs, error, match):
     keep = warmstart_mask(weight, "magnitude", sparsity=0.5)
     with pytest.raises(error, match=match):
         refine_mask(weight, gram, keep, **kwargs)
+
+
+def test_figures_reach_the_host_bit_for_bit_in_their_dtypes():
+    values = torch.tensor([-0.0, float("inf"), float("nan"), 1e-300], dtype=torch.float64)
+    handles = torch.tensor([0, 3, 2**62, -1])
+    figures = Figures.on_host([values, handles, handles.flip(0)])
+    assert figures.swap_dl.dtype == torch.float64 and figures.swap_a.dtype == torch.long
+    assert torch.equal(figures.swap_dl.view(torch.long), values.view(torch.long))  # -0.0 and the NaN's bits too
+    assert torch.equal(figures.swap_a, handles) and torch.equal(figures.swap_b, handles.flip(0))
+    assert figures.remove is None and figures.swap_dl.device.type == "cpu"
+    figures.update(torch.tensor([1]), Figures.on_host([values[:1], handles[:1], handles[:1]]))
+    assert figures.swap_dl[1] == 0.0 and int(figures.swap_a[1]) == 0 and int(figures.swap_b[1]) == 0
+    assert int(figures.swap_a[2]) == 2**62  # the fields are separate

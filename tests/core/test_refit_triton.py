@@ -73,6 +73,32 @@ def test_scan_ties_and_rows_without_a_pair():
     assert (int(state.kept[0, got[1][0]]), int(state.pruned[0, got[2][0]])) == (d // 2, 0)  # smallest u, then p
 
 
+def test_best_slots_reduces_the_partial_minima_as_torch_does():
+    d, k_slots, q_slots = 600, 300, 290  # slots over one kernel block (BEST_SLOTS_BLOCK)
+    inf, no_key = float("inf"), torch.iinfo(torch.long).max
+    part_val = torch.tensor([[-2.0, -3.0, -3.0], [inf, inf, inf], [1.0, -1.0, inf], [-5.0, inf, inf]])
+    part_key = torch.tensor([[7, 9 * d + 4, 5 * d + 280], [no_key, 3, no_key], [1, 4 * d + 9, no_key], [0, 0, 0]])
+    gen = torch.Generator().manual_seed(0)
+    kept = torch.randint(10, 250, (4, k_slots), generator=gen)  # none of the winners below
+    pruned = torch.randint(10, 250, (4, q_slots), generator=gen)
+    kept_ok = torch.ones(4, k_slots, dtype=torch.bool)
+    pruned_ok = torch.ones(4, q_slots, dtype=torch.bool)
+    kept[0, [3, 260]], kept_ok[0, 3] = 5, False  # the winner u = 5: a vacant slot before the occupied one
+    pruned[0, [2, 270]], pruned_ok[0, 2] = 280, False  # p = 280 likewise
+    kept[2, 299], pruned[2, 289] = 4, 9  # in the last slots
+    kept[3], pruned[3] = d - 1, d - 1  # the winner (0, 0) in no slot: slots 0 and 0
+    best = part_val.min(dim=1).values  # scan_swaps' torch reduction before the kernel
+    key = torch.where(part_val == best[:, None], part_key, no_key).min(dim=1).values
+    found, u, p = best < inf, key // d, key % d
+    slot_i = torch.where(found, ((kept == u[:, None]) & kept_ok).to(torch.int8).argmax(dim=1), 0)
+    slot_j = torch.where(found, ((pruned == p[:, None]) & pruned_ok).to(torch.int8).argmax(dim=1), 0)
+    args = [t.to(DEVICE) for t in (part_val, part_key, kept, kept_ok.to(torch.int8), pruned, pruned_ok.to(torch.int8))]
+    got = refit_triton.best_slots(*args, d)
+    assert [t.tolist() for t in (slot_i, slot_j)] == [[260, 0, 299, 0], [270, 0, 289, 0]]
+    for g, r in zip(got, (best, slot_i, slot_j), strict=True):
+        assert torch.equal(g.cpu(), r)
+
+
 @pytest.mark.parametrize(("nm", "most"), [(None, 3), ((2, 4), 12)])
 def test_the_scan_skips_slots_by_the_bound(nm, most):
     weight, gram, keep = _layer(7, 300, seed=3, nm=nm)

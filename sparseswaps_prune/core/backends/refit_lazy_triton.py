@@ -23,6 +23,8 @@ multiply-add; the state is the torch moves' up to rounding (tests: the same swap
 
 from __future__ import annotations
 
+from functools import cache
+
 import torch
 import triton
 import triton.language as tl
@@ -207,15 +209,14 @@ def moves(state, mode: int, rows: torch.Tensor, slot_a: torch.Tensor, slot_b: to
     none). Extra memory: ``[n, K]`` and ``[n, d]`` float64."""
     n = rows.numel()
     dev = rows.device
-    out_u, out_p = (torch.full((n,), -1, dtype=torch.long, device=dev) for _ in range(2))
+    out_u, out_p = (torch.empty(n, dtype=torch.long, device=dev) for _ in range(2))  # written by the kernel
     if n == 0:
         return out_u, out_p
     (k_slots, q_slots), d = state.slots, state.gram64.shape[0]
     restores = mode != REMOVE
     y = torch.empty(n if restores else 1, k_slots, dtype=torch.float64, device=dev)
     spread = torch.zeros(n if restores else 1, d, dtype=torch.float64, device=dev)
-    pivot = torch.ones(n, dtype=torch.float64, device=dev)
-    ratio = torch.zeros(n, dtype=torch.float64, device=dev)
+    pivot, ratio = (torch.empty(n, dtype=torch.float64, device=dev) for _ in range(2))  # written where restored
     rows, slot_a, slot_b = (t.contiguous() for t in (rows, slot_a, slot_b))
     kept_ok, pruned_ok = state.kept_ok.view(torch.uint8), state.pruned_ok.view(torch.uint8)
     common = dict(BLOCK=MOVE_BLOCK, num_warps=MOVE_WARPS, enable_fp_fusion=False)
@@ -337,6 +338,13 @@ def _prologue_kernel(
         tl.store(need_out + e * Q + q, need.to(tl.int8), mask=q_in)
 
 
+@cache
+def _skip_rtol(device: torch.device) -> torch.Tensor:
+    """``[1]`` float64 :data:`refit_swaps.SKIP_RTOL` on ``device`` (a float64 kernel argument; a Python float would
+    pass as float32), copied there once instead of once per scan."""
+    return torch.tensor([SKIP_RTOL], dtype=torch.float64, device=device)
+
+
 def scan_terms(state, rows: torch.Tensor, threshold_columns: int) -> list[torch.Tensor]:
     """The terms ``refit_triton.scan_swaps`` passes its kernel for rows ``rows`` of the lazy ``state``, in its
     order -- ``ratio``, ``h_safe``, ``remove``, ``kept``, ``kept_ok`` (int8), ``resid``, ``schur``, ``pruned``,
@@ -351,7 +359,7 @@ def scan_terms(state, rows: torch.Tensor, threshold_columns: int) -> list[torch.
     kept_side = [empty(k_slots, t) for t in (f64, f64, f64, i64, i8)]
     pruned_side = [empty(q_slots, t) for t in (f64, f64, i64, i8, f64, i8)]
     gain = empty(q_slots, f64)
-    skip = torch.tensor([SKIP_RTOL], dtype=f64, device=rows.device)
+    skip = _skip_rtol(rows.device)
     _prologue_kernel[(n,)](
         rows.contiguous(), state.kept, state.kept_ok.view(torch.uint8), state.pruned,
         state.pruned_ok.view(torch.uint8), state.hdiag, state.coef, state.resid, state.schur, state.w64,

@@ -65,7 +65,8 @@ THRESHOLD_COLUMNS = 4
 # it can prove every row 16-byte aligned and emits 16-byte loads and stores (PTX ld/st.global.v2.b64) in the passes
 # over H and Z instead of 8-byte ones (checked in the sm_90 PTX; A/B on a GPU: refit_swaps.py --slot-align 1).
 SLOT_ALIGN = 16
-_NO_KEY = torch.iinfo(torch.long).max
+# Slots per step of the kernel that turns the scan's partial minima into slots (_best_slots_kernel).
+BEST_SLOTS_BLOCK = 256
 
 
 def aligned_slots(n_slots: int, d: int) -> int:
@@ -292,13 +293,73 @@ def scan_swaps(
         tiles_per_split, n_split, n_tiles, M=m or 0, BLOCK_K=block_k, BLOCK_Q=block_q, LAZY=lazy,
         num_warps=num_warps, enable_fp_fusion=False,
     )  # fmt: skip
-    best = part_val.min(dim=1).values
-    key = torch.where(part_val == best[:, None], part_key, _NO_KEY).min(dim=1).values
-    found = best < float("inf")
-    u, p = key // d, key % d
-    slot_i = torch.where(found, ((kept == u[:, None]) & kept_ok).to(torch.int8).argmax(dim=1), 0)
-    slot_j = torch.where(found, ((pruned == p[:, None]) & state.pruned_ok[rows]).to(torch.int8).argmax(dim=1), 0)
+    return best_slots(part_val, part_key, terms[3], terms[4], terms[7], terms[8], d)
+
+
+def best_slots(
+    part_val: torch.Tensor,
+    part_key: torch.Tensor,
+    kept: torch.Tensor,
+    kept_ok: torch.Tensor,
+    pruned: torch.Tensor,
+    pruned_ok: torch.Tensor,
+    d: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The scan's answer from its partial minima, in one launch: per row the smallest of ``part_val``, on ties the
+    smallest of its ``part_key`` ``u * d + p``, and the first slot holding ``u`` among the occupied kept slots and
+    ``p`` among the marked pruned ones.
+
+    Args:
+        part_val, part_key: ``[n, n_split]`` float64 and int64 partial minima and keys of the scan's programs.
+        kept: ``[n, K]`` int64 kept inputs; kept_ok: ``[n, K]`` int8 occupied (nonzero); pruned: ``[n, Q]`` int64;
+            pruned_ok: ``[n, Q]`` int8 the pruned slots that may hold the winner. All contiguous, none modified.
+        d: inputs per row.
+
+    Returns:
+        ``dF`` ``[n]`` float64 and the kept and pruned slots ``[n]`` int64 (0 and 0 where ``dF`` is ``+inf`` or
+        no marked slot holds the input).
+    """
+    (n, n_split), k_slots, q_slots = part_val.shape, kept.shape[1], pruned.shape[1]
+    best = torch.empty(n, dtype=torch.float64, device=part_val.device)
+    slot_i, slot_j = (torch.empty(n, dtype=torch.long, device=part_val.device) for _ in range(2))
+    _best_slots_kernel[(n,)](
+        part_val, part_key, kept, kept_ok, pruned, pruned_ok, best, slot_i, slot_j, k_slots, q_slots, d, n_split,
+        BLOCK_S=triton.next_power_of_2(n_split), BLOCK=BEST_SLOTS_BLOCK, enable_fp_fusion=False,
+    )  # fmt: skip
     return best, slot_i, slot_j
+
+
+@triton.jit
+def _best_slots_kernel(
+    part_val_ptr, part_key_ptr, kept_ptr, kept_ok_ptr, pruned_ptr, pruned_ok_ptr, best_ptr, slot_i_ptr, slot_j_ptr,
+    K, Q, d, n_split, BLOCK_S: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """Row ``i`` of :func:`best_slots` (one program per row)."""
+    i = tl.program_id(0).to(tl.int64)
+    no_key = 9223372036854775807
+    s = tl.arange(0, BLOCK_S)
+    val = tl.load(part_val_ptr + i * n_split + s, mask=s < n_split, other=float("inf"))
+    key = tl.load(part_key_ptr + i * n_split + s, mask=s < n_split, other=no_key)
+    best = tl.min(val, axis=0)
+    best_key = tl.min(tl.where(val == best, key, no_key), axis=0)
+    found = best < float("inf")
+    u = best_key // d
+    p = best_key % d
+    first_i = K
+    for k0 in range(0, K, BLOCK):
+        idx = k0 + tl.arange(0, BLOCK)
+        hit = (idx < K) & (tl.load(kept_ok_ptr + i * K + idx, mask=idx < K, other=0) != 0)
+        hit = hit & (tl.load(kept_ptr + i * K + idx, mask=idx < K, other=-1) == u)
+        first_i = tl.minimum(first_i, tl.min(tl.where(hit, idx, K), axis=0))
+    first_j = Q
+    for q0 in range(0, Q, BLOCK):
+        idx = q0 + tl.arange(0, BLOCK)
+        hit = (idx < Q) & (tl.load(pruned_ok_ptr + i * Q + idx, mask=idx < Q, other=0) != 0)
+        hit = hit & (tl.load(pruned_ptr + i * Q + idx, mask=idx < Q, other=-1) == p)
+        first_j = tl.minimum(first_j, tl.min(tl.where(hit, idx, Q), axis=0))
+    tl.store(best_ptr + i, best)
+    tl.store(slot_i_ptr + i, tl.where(found & (first_i < K), first_i, 0).to(tl.int64))
+    tl.store(slot_j_ptr + i, tl.where(found & (first_j < Q), first_j, 0).to(tl.int64))
 
 
 def kept_slot_ranges(
