@@ -29,9 +29,13 @@ if [ "$stage" = lazy ]; then
   step 120 python3 -m pytest -q -p no:cacheprovider tests/core/test_refit_triton.py
   step 100 python3 benchmarks/refit_swaps.py --device cuda --widths 576 1536 4096 --rows 256 --engines triton lazy lazy-torch
   step 180 python3 benchmarks/refit_swaps.py --device cuda --widths 14336 --rows 32 --engines triton lazy lazy-torch
-  step 60 python3 benchmarks/refit_iteration_profile.py --lazy --width 4096 --rows 256
+  step 60 python3 benchmarks/refit_iteration_profile.py --engine lazy --width 4096 --rows 256
   step 100 python3 benchmarks/refit_swaps.py --device cuda --widths 576 1536 --rows 1536 --engines triton lazy lazy-torch
-  step 60 python3 benchmarks/refit_iteration_profile.py --lazy --width 576 --rows 1536
+  step 60 python3 benchmarks/refit_iteration_profile.py --engine lazy --width 576 --rows 1536
+  # what one iteration asks of the device (counted on the CPU too; on CUDA the transfers count as _to_copy)
+  for engine in triton lazy; do
+    step 60 python3 benchmarks/refit_iteration_profile.py --engine $engine --count --width 576 --rows 1536
+  done
   step 100 python3 benchmarks/refit_swaps.py --device cuda --widths 576 1536 4096 --rows 16 --pattern 2:4 \
     --engines triton lazy lazy-torch
 fi

@@ -23,12 +23,39 @@ def test_the_build_profile_runs_on_the_cpu_and_iterations_ask_for_cuda(benchmark
     assert "CUDA only" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("lazy", [False, True])
-def test_iterations_run_in_the_triton_interpreter(benchmark_script, monkeypatch, capsys, lazy):
+@pytest.mark.parametrize("engine", ["triton", "lazy", "lazy-torch"])
+def test_iterations_run_in_the_triton_interpreter(benchmark_script, monkeypatch, capsys, engine):
     bench = benchmark_script("refit_iteration_profile")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setattr(sys, "argv", ["x", "--device", "cpu", "--width", "64", "--rows", "3"] + ["--lazy"] * lazy)
+    monkeypatch.setattr(sys, "argv", ["x", "--device", "cpu", "--width", "64", "--rows", "3", "--engine", engine])
     bench.main()
     out = capsys.readouterr().out
-    assert "64 inputs, 3 rows, 60%, 3 iterations" + " (lazy state)" * lazy in out
+    assert f"64 inputs, 3 rows, 60%, 3 iterations of the {engine} engine" in out
     assert "Self CPU time total" in out and "aten::" in out  # the profile's table (its top rows vary by machine)
+
+
+def test_the_lazy_engines_iteration_is_a_few_launches(benchmark_script, monkeypatch, capsys):
+    """What an iteration of each engine asks of the device (the per-call costs on a GPU), counted on the CPU."""
+    bench = benchmark_script("refit_iteration_profile")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    counts = {}
+    for engine in ("triton", "lazy"):
+        argv = ["x", "--device", "cpu", "--width", "64", "--rows", "8", "--engine", engine, "--count"]
+        monkeypatch.setattr(sys, "argv", argv)
+        bench.main()
+        counts[engine] = capsys.readouterr().out.splitlines()[1:]
+    # the lazy engine: its moves, scan terms, scan and answer in five kernels; the product of its restores, the
+    # zeroed vectors it scatters into, the figures' packing and the mask's two writes in torch; no synchronisation
+    assert counts["lazy"] == [
+        "torch operators per iteration: 5 (index_put_ 2, zeros 1, mm 1, stack 1)",
+        "Triton launches per iteration: 5 (_remove_kernel 1, _restore_kernel 1, _prologue_kernel 1, _scan_kernel 1, "
+        "_best_slots_kernel 1)",
+        "synchronisations per iteration: 0",
+    ]
+    triton_ops = int(counts["triton"][0].split(": ")[1].split(" ")[0])
+    assert triton_ops > 100  # the eager engine's scan terms are torch operations
+    assert counts["triton"][1].startswith("Triton launches per iteration: 4 (_pair_update 2")
+    monkeypatch.setattr(sys, "argv", ["x", "--device", "cpu", "--build", "--count"])
+    with pytest.raises(SystemExit):
+        bench.main()
+    assert "counts iterations" in capsys.readouterr().err

@@ -272,18 +272,19 @@ def scan_swaps(
         from sparseswaps_prune.core.backends.refit_lazy_triton import scan_terms
 
         terms = scan_terms(state, rows, THRESHOLD_COLUMNS)
-        kept, kept_ok, pruned, need = terms[3], terms[4] != 0, terms[7], terms[10] != 0
     else:
-        kept, kept_ok, pruned = state.kept[rows], state.kept_ok[rows], state.pruned[rows]
+        kept, kept_ok, pruned = state.kept[rows], state.kept_ok[rows].to(torch.int8), state.pruned[rows]
         h_safe, ratio, remove = removal_terms(state, rows)  # as the reference
         pruned_ok = restorable(state, w64, rows)
         need = columns_to_scan(state, rows, (h_safe, ratio, remove), pruned_ok, pivot_floor, m)
-        terms = [ratio, h_safe, remove, kept, kept_ok.to(torch.int8), state.resid[rows], state.schur[rows], pruned,
+        terms = [ratio, h_safe, remove, kept, kept_ok, state.resid[rows], state.schur[rows], pruned,
                  pruned_ok.to(torch.int8), pivot_floor[pruned], need.to(torch.int8)]  # fmt: skip
     block_k, block_q, num_warps = SCAN_TILE
     n_tiles = triton.cdiv(q_slots, block_q)
     # N:M: the kept slots each tile of pruned slots can pair with (without N:M never read: rows stands in)
-    k_lo, k_hi = kept_slot_ranges(kept, kept_ok, pruned, need, m, block_q) if m else (rows, rows)
+    k_lo, k_hi = rows, rows
+    if m:  # from kept, kept_ok, pruned, need
+        k_lo, k_hi = kept_slot_ranges(terms[3], terms[4] != 0, terms[7], terms[10] != 0, m, block_q)
     terms = [t.contiguous() for t in (*terms, k_lo, k_hi)]
     n_split, tiles_per_split = tile_splits(n, n_tiles, dev, q_splits, programs_per_sm=SCAN_PROGRAMS_PER_SM)
     part_val = torch.empty(n, n_split, dtype=torch.float64, device=dev)
