@@ -5,7 +5,8 @@
 operators by device time. Iterations on CUDA (on the CPU only in the Triton interpreter, for testing); ``--build``
 also on the CPU (``--device cpu``). ``--engine lazy``: the iterations of the lazy state
 (``refit_lazy.LazyRefitState``: pending rank-one terms, the kernel's scan, its moves and scan terms in Triton
-kernels) instead; ``lazy-torch``: the same with its moves and scan terms in torch operations.
+kernels) instead; ``lazy-torch``: the same with its moves and scan terms in torch operations; ``mask``: the mask
+objective's iterations (``refine.MaskRows`` with the Triton search), for comparison.
 
 ``--count``: instead of profiling, count what the iterations ask of the device, per iteration: torch operators that
 run a kernel (views and allocations excluded; on the CPU a copy between host and device is not an operator, so
@@ -34,7 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 
 from sparseswaps_prune.core import refit_swaps as rs
 from sparseswaps_prune.core.backends.refit_lazy import LazyRefitState
-from sparseswaps_prune.core.refine import Figures
+from sparseswaps_prune.core.refine import Figures, MaskRows
 from sparseswaps_prune.core.refit import damping
 
 # torch operators that launch no kernel: allocations without a fill
@@ -96,7 +97,7 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=4096)
     parser.add_argument("--rows", type=int, default=256)
     parser.add_argument("--build", action="store_true", help="profile the state's build instead of iterations")
-    parser.add_argument("--engine", default="triton", choices=["triton", "lazy", "lazy-torch"])
+    parser.add_argument("--engine", default="triton", choices=["triton", "lazy", "lazy-torch", "mask"])
     parser.add_argument("--count", action="store_true", help="count device operations per iteration instead")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     args = parser.parse_args()
@@ -117,34 +118,49 @@ def main() -> None:
 
         repeat = 2
     else:
-        if args.engine == "triton":
-            from sparseswaps_prune.core.backends import refit_triton
+        keep = keep.clone()  # the row model's mask (the state's build read the original)
+        if args.engine == "mask":  # the mask objective's row model with the Triton search, for comparison
+            del state
+            model = MaskRows(weight, keep, gram, gram.float(), search="triton", nm=None, row_batch=args.rows)
 
-            def scan(rows: torch.Tensor) -> list[torch.Tensor]:
-                return list(refit_triton.scan_swaps(state, weight, rows, floor))
+            def figures_of(rows: torch.Tensor) -> Figures:
+                return model.figures(rows, cross=False)
 
-            def swap(rows: torch.Tensor, slot_i: torch.Tensor, slot_j: torch.Tensor) -> tuple[torch.Tensor, ...]:
-                return refit_triton.swap_slots(state, rows, slot_i, slot_j, gram)
-
+            apply = model.apply
         else:
-            del state  # the lazy state needs the memory
-            fused = args.engine == "lazy"
-            lazy = LazyRefitState(weight, keep, gram, lam, k, q, None, triton_scan=True, fused=fused)
-            scan, swap = (lambda rows: list(lazy.scan(rows))), lazy.swap
-        figures = Figures.on_host(scan(rows))
-        host = counter.paused if counter else contextlib.nullcontext
+            if args.engine == "triton":
+                from sparseswaps_prune.core.backends import refit_triton
 
-        keep = keep.clone()  # the lazy state's build read it
+                def scan(rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
+                    return refit_triton.scan_swaps(state, weight, rows, floor)
+
+                def swap(rows: torch.Tensor, slot_i: torch.Tensor, slot_j: torch.Tensor) -> tuple[torch.Tensor, ...]:
+                    return refit_triton.swap_slots(state, rows, slot_i, slot_j, gram)
+
+            else:
+                del state  # the lazy state needs the memory
+                fused = args.engine == "lazy"
+                lazy = LazyRefitState(weight, keep, gram, lam, k, q, None, triton_scan=True, fused=fused)
+                scan, swap = lazy.scan, lazy.swap
+
+            def figures_of(rows: torch.Tensor) -> Figures:
+                return Figures.on_host(list(scan(rows)))
+
+            def apply(moves: tuple[torch.Tensor, ...]) -> None:  # as RefitRows.apply
+                u, p = swap(*moves)
+                keep[moves[0], u] = False
+                keep[moves[0], p] = True
+
+        figures = figures_of(rows)
+        host = counter.paused if counter else contextlib.nullcontext
 
         def step() -> None:  # as refine.iterate: the rows whose swap lowers the loss, chosen on the host
             with host():
                 moved = torch.nonzero(figures.swap_dl < 0).flatten()
                 handles = torch.stack([moved, figures.swap_a[moved], figures.swap_b[moved]])
-            on_device = handles.to(args.device).unbind(0)
-            u, p = swap(*on_device)
-            keep[on_device[0], u] = False  # RefitRows.apply's mask
-            keep[on_device[0], p] = True
-            scanned = Figures.on_host(scan(on_device[0]))
+            moves = handles.to(args.device).unbind(0)
+            apply(moves)
+            scanned = figures_of(moves[0])
             with host():
                 figures.update(moved, scanned)
 

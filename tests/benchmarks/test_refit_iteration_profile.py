@@ -23,7 +23,7 @@ def test_the_build_profile_runs_on_the_cpu_and_iterations_ask_for_cuda(benchmark
     assert "CUDA only" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("engine", ["triton", "lazy", "lazy-torch"])
+@pytest.mark.parametrize("engine", ["triton", "lazy", "lazy-torch", "mask"])
 def test_iterations_run_in_the_triton_interpreter(benchmark_script, monkeypatch, capsys, engine):
     bench = benchmark_script("refit_iteration_profile")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
@@ -39,7 +39,7 @@ def test_the_lazy_engines_iteration_is_a_few_launches(benchmark_script, monkeypa
     bench = benchmark_script("refit_iteration_profile")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     counts = {}
-    for engine in ("triton", "lazy"):
+    for engine in ("triton", "lazy", "mask"):
         argv = ["x", "--device", "cpu", "--width", "64", "--rows", "8", "--engine", engine, "--count"]
         monkeypatch.setattr(sys, "argv", argv)
         bench.main()
@@ -52,8 +52,12 @@ def test_the_lazy_engines_iteration_is_a_few_launches(benchmark_script, monkeypa
         "_best_slots_kernel 1)",
         "synchronisations per iteration: 0",
     ]
-    triton_ops = int(counts["triton"][0].split(": ")[1].split(" ")[0])
-    assert triton_ops > 100  # the eager engine's scan terms are torch operations
+
+    def total(engine: str) -> int:  # torch operators and Triton launches per iteration
+        return sum(int(line.split(": ")[1].split(" ")[0]) for line in counts[engine][:2])
+
+    assert total("triton") > 100  # the eager engine's scan terms are torch operations
+    assert total("lazy") < total("mask")  # the mask objective's figures and updates are torch operations
     assert counts["triton"][1].startswith("Triton launches per iteration: 4 (_pair_update 2")
     monkeypatch.setattr(sys, "argv", ["x", "--device", "cpu", "--build", "--count"])
     with pytest.raises(SystemExit):
