@@ -11,14 +11,16 @@ objective's iterations (``refine.MaskRows`` with the Triton search), for compari
 ``--count``: instead of profiling, count what the iterations ask of the device, per iteration: torch operators that
 run a kernel (views and allocations excluded; on the CPU a copy between host and device is not an operator, so
 transfers are not counted), Triton kernel launches, and synchronisations with the host (reads of a value such as
-``item``, ``nonzero``, indexing by a boolean mask). The counts are the same on any device (iterations without a
-fold of the lazy state's terms: it folds every 32 swaps); on the CPU they need the Triton interpreter
-(``TRITON_INTERPRET=1``). An iteration is ``refine.iterate``'s: the rows whose best swap lowers the loss chosen on
-the host from the figures copied there (not counted), their slots copied to the device, their swaps and their scan,
-whose figures go back to the host (one transfer each way, counted as operators on CUDA only).
+``item``, ``nonzero``, indexing by a boolean mask; not ``tolist``, which bypasses the operators). The counts are
+the device's on CUDA too (iterations without a fold of the lazy state's terms: it folds every 32 swaps), but for the
+transfers and ``lazy-torch``'s ``refit_swaps.add_rows``, which runs row by row on the CPU and as one ``index_add_``
+elsewhere; on the CPU they need the Triton interpreter (``TRITON_INTERPRET=1``). An iteration is
+``refine.iterate``'s: the rows whose best swap lowers the loss chosen on the host from the figures copied there (not
+counted), their slots copied to the device, their swaps and their scan, whose figures go back to the host (one
+transfer each way, counted as operators on CUDA only).
 
     python benchmarks/refit_iteration_profile.py [--width 4096] [--rows 256] [--build | --engine lazy] [--count]
-        [--device cuda]
+        [--device cuda]   # --engine: triton (default), lazy, lazy-torch, mask
 """
 
 from __future__ import annotations
