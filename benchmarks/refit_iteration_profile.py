@@ -1,12 +1,12 @@
 """Where the time of the re-fit objective's Triton engine goes: ``torch.profiler`` over 3 iterations of its row scope
 (``refit_triton.swap_slots`` of the rows whose best swap lowers the loss, then their scan), or with ``--build`` over
 2 builds of the state (``refit_swaps.build_state``: the Cholesky factor, ``H``, ``v``, ``Z``), on
-``common.random_layer`` (60%, ``--width`` inputs, ``--rows`` rows in one batch), after one warm-up; prints the
-operators by device time. Iterations on CUDA (on the CPU only in the Triton interpreter, for testing); ``--build``
-also on the CPU (``--device cpu``). ``--engine lazy``: the iterations of the lazy state
+``common.random_layer`` (``--pattern``: 60% or 2:4, ``--width`` inputs, ``--rows`` rows in one batch), after one
+warm-up; prints the operators by device time. Iterations on CUDA (on the CPU only in the Triton interpreter, for
+testing); ``--build`` also on the CPU (``--device cpu``). ``--engine lazy``: the iterations of the lazy state
 (``refit_lazy.LazyRefitState``: pending rank-one terms, the kernel's scan, its moves and scan terms in Triton
 kernels) instead; ``lazy-torch``: the same with its moves and scan terms in torch operations; ``mask``: the mask
-objective's iterations (``refine.MaskRows`` with the Triton search), for comparison.
+objective's iterations (``refine.MaskRows`` with the Triton search, N:M's search at 2:4), for comparison.
 
 ``--count``: instead of profiling, count what the iterations ask of the device, per iteration: torch operators that
 run a kernel (views and allocations excluded; on the CPU a copy between host and device is not an operator, so
@@ -20,7 +20,7 @@ counted), their slots copied to the device, their swaps and their scan, whose fi
 transfer each way, counted as operators on CUDA only).
 
     python benchmarks/refit_iteration_profile.py [--width 4096] [--rows 256] [--build | --engine lazy] [--count]
-        [--device cuda]   # --engine: triton (default), lazy, lazy-torch, mask
+        [--pattern 60%|2:4] [--device cuda]   # --engine: triton (default), lazy, lazy-torch, mask
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import os
 from collections import Counter
 
 import torch
-from common import triton_refit_layer
+from common import pattern_options, triton_refit_layer
 from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
@@ -102,13 +102,14 @@ def main() -> None:
     parser.add_argument("--engine", default="triton", choices=["triton", "lazy", "lazy-torch", "mask"])
     parser.add_argument("--count", action="store_true", help="count device operations per iteration instead")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--pattern", default="60%", choices=["60%", "2:4"])
     args = parser.parse_args()
     if args.device == "cpu" and not args.build and os.environ.get("TRITON_INTERPRET") != "1":
         parser.error("iterations run the Triton kernels: CUDA only (--build profiles on the CPU)")
     if args.build and args.count:
         parser.error("--count counts iterations, not builds")
     cuda = args.device == "cuda"
-    weight, gram, keep, state, floor, _ = triton_refit_layer(args.width, args.rows, "60%", args.device)
+    weight, gram, keep, state, floor, m = triton_refit_layer(args.width, args.rows, args.pattern, args.device)
     rows = torch.arange(args.rows, device=args.device)
     lam, (_, k, q) = damping(gram, 0.01), state.z.shape
     counter = DeviceOps() if args.count else None
@@ -123,7 +124,9 @@ def main() -> None:
         keep = keep.clone()  # the row model's mask (the state's build read the original)
         if args.engine == "mask":  # the mask objective's row model with the Triton search, for comparison
             del state
-            model = MaskRows(weight, keep, gram, gram.float(), search="triton", nm=None, row_batch=args.rows)
+            nm = pattern_options(args.pattern)["nm"]  # N:M: the N:M search (refine's choice for any backend)
+            search = "nm" if nm else "triton"
+            model = MaskRows(weight, keep, gram, gram.float(), search=search, nm=nm, row_batch=args.rows)
 
             def figures_of(rows: torch.Tensor) -> Figures:
                 return model.figures(rows, cross=False)
@@ -134,7 +137,7 @@ def main() -> None:
                 from sparseswaps_prune.core.backends import refit_triton
 
                 def scan(rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
-                    return refit_triton.scan_swaps(state, weight, rows, floor)
+                    return refit_triton.scan_swaps(state, weight, rows, floor, m)
 
                 def swap(rows: torch.Tensor, slot_i: torch.Tensor, slot_j: torch.Tensor) -> tuple[torch.Tensor, ...]:
                     return refit_triton.swap_slots(state, rows, slot_i, slot_j, gram)
@@ -142,7 +145,7 @@ def main() -> None:
             else:
                 del state  # the lazy state needs the memory
                 fused = args.engine == "lazy"
-                lazy = LazyRefitState(weight, keep, gram, lam, k, q, None, triton_scan=True, fused=fused)
+                lazy = LazyRefitState(weight, keep, gram, lam, k, q, m, triton_scan=True, fused=fused)
                 scan, swap = lazy.scan, lazy.swap
 
             def figures_of(rows: torch.Tensor) -> Figures:
@@ -172,7 +175,7 @@ def main() -> None:
     sync()
     name = torch.cuda.get_device_name() if cuda else "CPU"
     what = f"{repeat} builds" if args.build else f"{repeat} iterations of the {args.engine} engine"
-    print(f"{name}, torch {torch.__version__}, {args.width} inputs, {args.rows} rows, 60%, {what}")
+    print(f"{name}, torch {torch.__version__}, {args.width} inputs, {args.rows} rows, {args.pattern}, {what}")
     if counter:
         with counter as ops:
             for _ in range(repeat):
