@@ -39,11 +39,12 @@ def test_the_lazy_engines_iteration_is_a_few_launches(benchmark_script, monkeypa
     bench = benchmark_script("refit_iteration_profile")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     counts = {}
-    for engine in ("triton", "lazy", "mask"):
+    for engine, pattern in [("triton", "60%"), ("lazy", "60%"), ("mask", "60%"), ("lazy", "2:4")]:
         argv = ["x", "--device", "cpu", "--width", "64", "--rows", "8", "--engine", engine, "--count"]
-        monkeypatch.setattr(sys, "argv", argv)
+        monkeypatch.setattr(sys, "argv", [*argv, "--pattern", pattern])
         bench.main()
-        counts[engine] = capsys.readouterr().out.splitlines()[1:]
+        counts[engine if pattern == "60%" else f"{engine} {pattern}"] = capsys.readouterr().out.splitlines()[1:]
+    assert counts["lazy 2:4"] == counts["lazy"]  # N:M: the kept slots' ranges come from the prologue kernel too
     # the lazy engine: its moves, scan terms, scan and answer in five kernels; the product of its restores, the
     # zeroed vectors it scatters into, the figures' packing and the mask's two writes in torch; no synchronisation
     assert counts["lazy"] == [

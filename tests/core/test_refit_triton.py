@@ -367,13 +367,21 @@ def test_the_lazy_states_scan_terms_kernel_gives_the_torch_prologues_terms(nm):
         lazy.swap(rows, slot_i, slot_j)
     assert int(lazy.rank.max()) == 4
     lazy.hdiag[3, int(lazy.kept_ok[3].to(torch.int8).argmax())] = -1.0  # row 3: no bound
-    got = scan_terms(lazy, rows, refit_triton.THRESHOLD_COLUMNS)
-    h_safe, ratio, remove = rs.removal_terms(lazy, rows)
-    ok = rs.restorable(lazy, weight, rows)
-    need = refit_triton.columns_to_scan(lazy, rows, (h_safe, ratio, remove), ok, lazy.floor, m)
-    want = [ratio, h_safe, remove, lazy.kept[rows], lazy.kept_ok[rows].to(torch.int8), lazy.resid[rows],
-            lazy.schur[rows], lazy.pruned[rows], ok.to(torch.int8), lazy.floor[lazy.pruned[rows]],
-            need.to(torch.int8)]  # fmt: skip
-    for i, (g, w) in enumerate(zip(got, want, strict=True)):
-        assert g.dtype == w.dtype and torch.equal(g, w), i
+    if nm:  # row 6: kept slots out of block order (every kept slot is in range); vacant slots stay last
+        lazy.kept[6, [0, 2]] = lazy.kept[6, [2, 0]]  # two blocks
+    for tile_q in (32, 8, 256):  # more tiles than a block of the kernel, fewer, one tile wider than its block
+        got = scan_terms(lazy, rows, refit_triton.THRESHOLD_COLUMNS, tile_q)
+        h_safe, ratio, remove = rs.removal_terms(lazy, rows)
+        ok = rs.restorable(lazy, weight, rows)
+        need = refit_triton.columns_to_scan(lazy, rows, (h_safe, ratio, remove), ok, lazy.floor, m)
+        kept, kept_ok, pruned = lazy.kept[rows], lazy.kept_ok[rows], lazy.pruned[rows]
+        want = [ratio, h_safe, remove, kept, kept_ok.to(torch.int8), lazy.resid[rows], lazy.schur[rows], pruned,
+                ok.to(torch.int8), lazy.floor[pruned], need.to(torch.int8)]  # fmt: skip
+        if nm:  # and the N:M ranges of the tiles' kept slots
+            want += refit_triton.kept_slot_ranges(kept, kept_ok, pruned, need, m, tile_q)
+            (k_lo, k_hi), n_tiles = want[-2:], want[-1].shape[1]
+            assert k_lo[0].tolist() == [0] * n_tiles and k_hi[0].tolist() == [k] * n_tiles  # row 6: all
+            assert int(k_lo[1:].max()) > 0 and int(k_hi[1:].min()) < k  # the others: ranges
+        for i, (g, w) in enumerate(zip(got, want, strict=True)):
+            assert g.dtype == w.dtype and torch.equal(g, w), (tile_q, i)
     assert torch.equal(need[2], ok[2]) and int(need[:2].sum()) < int(ok[:2].sum())  # the bound skips, but not row 3

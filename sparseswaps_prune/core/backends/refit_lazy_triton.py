@@ -15,7 +15,8 @@ overwrites a scalar another may not have read yet):
 * :func:`_restore_kernel` -- the restore: ``t_q = G_pq - (y^T G[S, :])_q``, the updates and the second pending term.
 
 :func:`scan_terms` (:func:`_prologue_kernel`, one program per row) writes the terms the scan kernel reads and the
-slots it must evaluate, as ``refit_triton.columns_to_scan`` chooses them.
+slots it must evaluate, as ``refit_triton.columns_to_scan`` chooses them, and with N:M the kept slots each tile of
+pruned slots pairs with (``refit_triton.kept_slot_ranges``, by binary searches over the row's kept blocks).
 
 The operations are those of :mod:`~sparseswaps_prune.core.backends.refit_numba` in its order, compiled without fused
 multiply-add; the state is the torch moves' up to rounding (tests: the same swaps; the scan's terms bit for bit).
@@ -236,16 +237,34 @@ def moves(state, mode: int, rows: torch.Tensor, slot_a: torch.Tensor, slot_b: to
 
 
 @triton.jit
+def _halve(kept_row, kept_ok_row, first, end, target, M: tl.constexpr, RIGHT: tl.constexpr):
+    """One halving of binary searches (one per lane) over a row's kept blocks (``kept // M``, vacant slots last):
+    the first slot in ``[first, end)`` whose block is ``>= target`` (``> target`` with ``RIGHT``), as
+    ``torch.searchsorted``; returns the new ``(first, end)``."""
+    active = first < end
+    mid = (first + end) // 2
+    ok = active & (tl.load(kept_ok_row + mid, mask=active, other=0) != 0)
+    block = tl.where(ok, tl.load(kept_row + mid, mask=active, other=0) // M, 2147483647)
+    if RIGHT:
+        after = active & (block <= target)
+    else:
+        after = active & (block < target)
+    return tl.where(after, mid + 1, first), tl.where(active & ~after, mid, end)
+
+
+@triton.jit
 def _prologue_kernel(
     rows_ptr, kept_ptr, kept_ok_ptr, pruned_ptr, pruned_ok_ptr, hdiag_ptr, coef_ptr, resid_ptr, schur_ptr, w_ptr,
     floor_ptr, zt_ptr, fa_ptr, fb_ptr, rank_ptr, skip_ptr, ratio_out, h_out, remove_out, kept_out, kept_ok_out,
-    resid_out, schur_out, pruned_out, ok_out, floor_out, need_out, gain_ptr, K, Q, F, d,
-    M: tl.constexpr, C: tl.constexpr, BLOCK: tl.constexpr,
+    resid_out, schur_out, pruned_out, ok_out, floor_out, need_out, gain_ptr, k_lo_out, k_hi_out, K, Q, F, d, n_tiles,
+    steps, M: tl.constexpr, C: tl.constexpr, BLOCK: tl.constexpr, TILE_Q: tl.constexpr, TILE_BLOCK: tl.constexpr,
 ):  # fmt: skip
     """Program ``e``: the scan's terms of row ``rows[e]`` as ``refit_triton.scan_swaps`` gathers them
     (``refit_swaps.removal_terms``, ``restorable``, the pivot floor of each pruned slot) into ``[n, K]`` and
     ``[n, Q]`` outputs, and ``need``: ``refit_triton.columns_to_scan`` with the costs of the row's ``C`` columns of
-    largest restore gain (``gain``: ``[n, Q]`` scratch)."""
+    largest restore gain (``gain``: ``[n, Q]`` scratch). With N:M (``M > 0``) also ``k_lo``, ``k_hi``
+    (``[n, n_tiles]``): ``refit_triton.kept_slot_ranges`` for tiles of ``TILE_Q`` pruned slots, by binary searches
+    of ``steps`` halvings over the row's kept blocks (``TILE_BLOCK``: a multiple of ``TILE_Q``)."""
     e = tl.program_id(0).to(tl.int64)
     r = tl.load(rows_ptr + e)
     n_terms = tl.load(rank_ptr + r)
@@ -253,6 +272,8 @@ def _prologue_kernel(
     ks = tl.arange(0, BLOCK)
     rem_max = tl.zeros([BLOCK], tl.float64)
     broken = tl.zeros([BLOCK], tl.int32)
+    descents = tl.zeros([BLOCK], tl.int32)  # N:M: kept slots whose block is below the previous slot's
+    big = 2147483647  # kept_slot_ranges' block of a vacant kept slot (and of no scanned slot)
     for x0 in range(0, K, BLOCK):  # removal_terms, as the reference
         x = x0 + ks
         x_in = x < K
@@ -268,6 +289,12 @@ def _prologue_kernel(
         tl.store(kept_ok_out + e * K + x, ok.to(tl.int8), mask=x_in)
         rem_max = tl.maximum(rem_max, tl.where(ok, tl.abs(remove), 0.0))
         broken += (ok & ~(h > 0)).to(tl.int32)
+        if M > 0:
+            block = tl.where(ok, tl.load(kept_ptr + r * K + x, mask=x_in, other=0) // M, big)
+            has_next = (x + 1) < K
+            ok_next = has_next & (tl.load(kept_ok_ptr + r * K + x + 1, mask=has_next, other=0) != 0)
+            block_next = tl.where(ok_next, tl.load(kept_ptr + r * K + x + 1, mask=has_next, other=0) // M, big)
+            descents += (has_next & (block_next < block)).to(tl.int32)
     rem_top = tl.max(rem_max, axis=0)
     bounded = tl.sum(broken, axis=0) == 0
     for q0 in range(0, Q, BLOCK):  # restorable slots and their restore gains -r_p^2 / s_p
@@ -336,6 +363,26 @@ def _prologue_kernel(
         need = ~(gain > reached_row + skip_rtol * (rem_top - gain)) | ~bounded
         need = need & (tl.load(ok_out + e * Q + q, mask=q_in, other=0) != 0)
         tl.store(need_out + e * Q + q, need.to(tl.int8), mask=q_in)
+    if M > 0:  # kept_slot_ranges: per tile, the kept slots of the blocks of its scanned slots
+        tl.debug_barrier()  # need is read back below
+        unsorted = tl.sum(descents, axis=0) > 0
+        tile_lanes = tl.arange(0, TILE_BLOCK // TILE_Q)
+        for q0 in range(0, Q, TILE_BLOCK):
+            q = q0 + tl.arange(0, TILE_BLOCK)
+            scanned = (q < Q) & (tl.load(need_out + e * Q + q, mask=q < Q, other=0) != 0)
+            block = tl.load(pruned_ptr + r * Q + q, mask=scanned, other=0) // M
+            lowest = tl.min(tl.reshape(tl.where(scanned, block, big), [TILE_BLOCK // TILE_Q, TILE_Q]), axis=1)
+            highest = tl.max(tl.reshape(tl.where(scanned, block, -1), [TILE_BLOCK // TILE_Q, TILE_Q]), axis=1)
+            lo_first, lo_end = tl.zeros_like(tile_lanes), tl.zeros_like(tile_lanes) + K  # first kept block >= lowest
+            hi_first, hi_end = tl.zeros_like(tile_lanes), tl.zeros_like(tile_lanes) + K  # first kept block > highest
+            for _ in range(steps):
+                lo_first, lo_end = _halve(kept_ptr + r * K, kept_ok_ptr + r * K, lo_first, lo_end, lowest, M, False)
+                hi_first, hi_end = _halve(kept_ptr + r * K, kept_ok_ptr + r * K, hi_first, hi_end, highest, M, True)
+            tile = q0 // TILE_Q + tile_lanes
+            k_lo = tl.where(unsorted, 0, lo_first).to(tl.int64)
+            k_hi = tl.where(unsorted, K, hi_first).to(tl.int64)
+            tl.store(k_lo_out + e * n_tiles + tile, k_lo, mask=tile < n_tiles)
+            tl.store(k_hi_out + e * n_tiles + tile, k_hi, mask=tile < n_tiles)
 
 
 @cache
@@ -345,11 +392,13 @@ def _skip_rtol(device: torch.device) -> torch.Tensor:
     return torch.tensor([SKIP_RTOL], dtype=torch.float64, device=device)
 
 
-def scan_terms(state, rows: torch.Tensor, threshold_columns: int) -> list[torch.Tensor]:
+def scan_terms(state, rows: torch.Tensor, threshold_columns: int, tile_q: int) -> list[torch.Tensor]:
     """The terms ``refit_triton.scan_swaps`` passes its kernel for rows ``rows`` of the lazy ``state``, in its
     order -- ``ratio``, ``h_safe``, ``remove``, ``kept``, ``kept_ok`` (int8), ``resid``, ``schur``, ``pruned``,
-    restorable (int8), the pivot floor of each pruned slot, ``need`` (int8) -- from one kernel launch instead of
-    the torch prologue's gathers and ``columns_to_scan`` (``threshold_columns`` columns set the threshold)."""
+    restorable (int8), the pivot floor of each pruned slot, ``need`` (int8), and with N:M ``k_lo``, ``k_hi``
+    (``refit_triton.kept_slot_ranges`` for tiles of ``tile_q`` pruned slots) -- from one kernel launch instead of
+    the torch prologue's gathers, ``columns_to_scan`` (``threshold_columns`` columns set the threshold) and
+    ``kept_slot_ranges``."""
     n, (k_slots, q_slots), d = rows.numel(), state.slots, state.w64.shape[1]
 
     def empty(slots: int, dtype: torch.dtype) -> torch.Tensor:
@@ -359,12 +408,15 @@ def scan_terms(state, rows: torch.Tensor, threshold_columns: int) -> list[torch.
     kept_side = [empty(k_slots, t) for t in (f64, f64, f64, i64, i8)]
     pruned_side = [empty(q_slots, t) for t in (f64, f64, i64, i8, f64, i8)]
     gain = empty(q_slots, f64)
+    n_tiles = triton.cdiv(q_slots, tile_q)
+    ranges = [empty(n_tiles, i64) for _ in range(2)] if state.m else [rows, rows]  # rows: unused stand-ins
     skip = _skip_rtol(rows.device)
     _prologue_kernel[(n,)](
         rows.contiguous(), state.kept, state.kept_ok.view(torch.uint8), state.pruned,
         state.pruned_ok.view(torch.uint8), state.hdiag, state.coef, state.resid, state.schur, state.w64,
-        state.floor, state.zt, state.fa, state.fb, state.rank, skip, *kept_side, *pruned_side, gain, k_slots,
-        q_slots, state.factor_slots, d, M=state.m or 0, C=threshold_columns, BLOCK=MOVE_BLOCK, num_warps=MOVE_WARPS,
+        state.floor, state.zt, state.fa, state.fb, state.rank, skip, *kept_side, *pruned_side, gain, *ranges,
+        k_slots, q_slots, state.factor_slots, d, n_tiles, k_slots.bit_length(), M=state.m or 0, C=threshold_columns,
+        BLOCK=MOVE_BLOCK, TILE_Q=tile_q, TILE_BLOCK=max(MOVE_BLOCK, tile_q), num_warps=MOVE_WARPS,
         enable_fp_fusion=False,
     )  # fmt: skip
-    return kept_side + pruned_side
+    return kept_side + pruned_side + (ranges if state.m else [])

@@ -271,7 +271,7 @@ def scan_swaps(
     if lazy and state.fused:  # the terms from one kernel (the state's own pivot floor)
         from sparseswaps_prune.core.backends.refit_lazy_triton import scan_terms
 
-        terms = scan_terms(state, rows, THRESHOLD_COLUMNS)
+        terms = scan_terms(state, rows, THRESHOLD_COLUMNS, SCAN_TILE[1])  # with N:M also the kept slots' ranges
     else:
         kept, kept_ok, pruned = state.kept[rows], state.kept_ok[rows].to(torch.int8), state.pruned[rows]
         h_safe, ratio, remove = removal_terms(state, rows)  # as the reference
@@ -282,10 +282,11 @@ def scan_swaps(
     block_k, block_q, num_warps = SCAN_TILE
     n_tiles = triton.cdiv(q_slots, block_q)
     # N:M: the kept slots each tile of pruned slots can pair with (without N:M never read: rows stands in)
-    k_lo, k_hi = rows, rows
-    if m:  # from kept, kept_ok, pruned, need
-        k_lo, k_hi = kept_slot_ranges(terms[3], terms[4] != 0, terms[7], terms[10] != 0, m, block_q)
-    terms = [t.contiguous() for t in (*terms, k_lo, k_hi)]
+    if not m:
+        terms += [rows, rows]
+    elif len(terms) == 11:  # from kept, kept_ok, pruned, need
+        terms += kept_slot_ranges(terms[3], terms[4] != 0, terms[7], terms[10] != 0, m, block_q)
+    terms = [t.contiguous() for t in terms]
     n_split, tiles_per_split = tile_splits(n, n_tiles, dev, q_splits, programs_per_sm=SCAN_PROGRAMS_PER_SM)
     part_val = torch.empty(n, n_split, dtype=torch.float64, device=dev)
     part_key = torch.empty(n, n_split, dtype=torch.long, device=dev)
