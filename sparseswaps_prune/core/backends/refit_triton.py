@@ -347,21 +347,21 @@ def _best_slots_kernel(
     found = best < float("inf")
     u = best_key // d
     p = best_key % d
-    first_i = K
-    for k0 in range(0, K, BLOCK):
-        idx = k0 + tl.arange(0, BLOCK)
-        hit = (idx < K) & (tl.load(kept_ok_ptr + i * K + idx, mask=idx < K, other=0) != 0)
-        hit = hit & (tl.load(kept_ptr + i * K + idx, mask=idx < K, other=-1) == u)
-        first_i = tl.minimum(first_i, tl.min(tl.where(hit, idx, K), axis=0))
-    first_j = Q
-    for q0 in range(0, Q, BLOCK):
-        idx = q0 + tl.arange(0, BLOCK)
-        hit = (idx < Q) & (tl.load(pruned_ok_ptr + i * Q + idx, mask=idx < Q, other=0) != 0)
-        hit = hit & (tl.load(pruned_ptr + i * Q + idx, mask=idx < Q, other=-1) == p)
-        first_j = tl.minimum(first_j, tl.min(tl.where(hit, idx, Q), axis=0))
     tl.store(best_ptr + i, best)
-    tl.store(slot_i_ptr + i, tl.where(found & (first_i < K), first_i, 0).to(tl.int64))
-    tl.store(slot_j_ptr + i, tl.where(found & (first_j < Q), first_j, 0).to(tl.int64))
+    tl.store(slot_i_ptr + i, tl.where(found, _first_slot(kept_ptr + i * K, kept_ok_ptr + i * K, K, u, BLOCK), 0))
+    tl.store(slot_j_ptr + i, tl.where(found, _first_slot(pruned_ptr + i * Q, pruned_ok_ptr + i * Q, Q, p, BLOCK), 0))
+
+
+@triton.jit
+def _first_slot(inputs_row, ok_row, n_slots, target, BLOCK: tl.constexpr):
+    """The first of ``n_slots`` slots whose ``ok`` is nonzero and whose input is ``target`` (int64; 0 if none)."""
+    first = n_slots
+    for s0 in range(0, n_slots, BLOCK):
+        idx = s0 + tl.arange(0, BLOCK)
+        hit = (idx < n_slots) & (tl.load(ok_row + idx, mask=idx < n_slots, other=0) != 0)
+        hit = hit & (tl.load(inputs_row + idx, mask=idx < n_slots, other=-1) == target)
+        first = tl.minimum(first, tl.min(tl.where(hit, idx, n_slots), axis=0))
+    return tl.where(first < n_slots, first, 0).to(tl.int64)
 
 
 def kept_slot_ranges(
