@@ -268,7 +268,8 @@ def scan_swaps(
     _check_contiguous(z, "scan_swaps")
     # a lazy state's pending terms (unused otherwise: z stands in)
     pending = (state.fa, state.fb, state.rank, state.factor_slots) if lazy else (z, z, rows, 0)
-    if lazy and state.fused:  # the terms from one kernel (the state's own pivot floor)
+    fused = lazy and state.fused
+    if fused:  # the terms from one kernel (the state's own pivot floor)
         from sparseswaps_prune.core.backends.refit_lazy_triton import scan_terms
 
         terms = scan_terms(state, rows, THRESHOLD_COLUMNS, SCAN_TILE[1])  # with N:M also the kept slots' ranges
@@ -284,8 +285,8 @@ def scan_swaps(
     # N:M: the kept slots each tile of pruned slots can pair with (without N:M never read: rows stands in)
     if not m:
         terms += [rows, rows]
-    elif len(terms) == 11:  # from kept, kept_ok, pruned, need
-        terms += kept_slot_ranges(terms[3], terms[4] != 0, terms[7], terms[10] != 0, m, block_q)
+    elif not fused:  # (the fused terms hold them)
+        terms += kept_slot_ranges(kept, kept_ok != 0, pruned, need, m, block_q)
     terms = [t.contiguous() for t in terms]
     n_split, tiles_per_split = tile_splits(n, n_tiles, dev, q_splits, programs_per_sm=SCAN_PROGRAMS_PER_SM)
     part_val = torch.empty(n, n_split, dtype=torch.float64, device=dev)
