@@ -6,6 +6,7 @@ No benchmark imports another benchmark; what more than one of them needs lives h
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import time
 from collections.abc import Callable
@@ -15,6 +16,7 @@ import torch
 
 from sparseswaps_prune.core import refit_swaps as rs
 from sparseswaps_prune.core.gram import GramAccumulator
+from sparseswaps_prune.core.refine import Figures
 from sparseswaps_prune.core.refit import REFIT_DAMP, factor_kept
 from sparseswaps_prune.core.spec import DEFAULT_SPEC, DSnoTRefine, PruneSpec, SwapRefine, build_spec
 from sparseswaps_prune.core.warmstart import warmstart_mask
@@ -90,6 +92,30 @@ def triton_refit_iteration(
     scan = refit_triton.scan_swaps(state, weight, moved, floor, m)
     best[accept], slot_i[accept], slot_j[accept] = scan
     return scan
+
+
+def iterate_step(
+    apply: Callable[[tuple[torch.Tensor, ...]], Any],
+    figures_of: Callable[[torch.Tensor], Figures],
+    figures: Figures,
+    device: torch.device | str,
+    host: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+) -> None:
+    """One iteration of a row model's row scope as ``refine.iterate`` runs it: the rows whose best swap lowers the
+    loss, chosen on the host from ``figures`` (CPU, updated in place), their moves copied to ``device`` in one
+    transfer, ``apply(moves)`` (as ``MaskRows.apply`` and ``RefitRows.apply``), and ``figures_of(moved rows)`` (as
+    their ``figures``, on the host); nothing where no row's swap lowers the loss. ``host``: a context for the host's
+    own work (e.g. a paused operator count)."""
+    with host():
+        moved = torch.nonzero(figures.swap_dl < 0).flatten()
+        if moved.numel() == 0:  # refine.iterate stops
+            return
+        handles = torch.stack([moved, figures.swap_a[moved], figures.swap_b[moved]])
+    moves = handles.to(device).unbind(0)
+    apply(moves)
+    scanned = figures_of(moves[0])
+    with host():
+        figures.update(moved, scanned)
 
 
 def timed(fn: Callable[[], Any], repeat: int = 3) -> float:

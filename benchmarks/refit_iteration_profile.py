@@ -31,7 +31,7 @@ import os
 from collections import Counter
 
 import torch
-from common import pattern_options, triton_refit_layer
+from common import iterate_step, pattern_options, triton_refit_layer
 from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
@@ -159,15 +159,8 @@ def main() -> None:
         figures = figures_of(rows)
         host = counter.paused if counter else contextlib.nullcontext
 
-        def step() -> None:  # as refine.iterate: the rows whose swap lowers the loss, chosen on the host
-            with host():
-                moved = torch.nonzero(figures.swap_dl < 0).flatten()
-                handles = torch.stack([moved, figures.swap_a[moved], figures.swap_b[moved]])
-            moves = handles.to(args.device).unbind(0)
-            apply(moves)
-            scanned = figures_of(moves[0])
-            with host():
-                figures.update(moved, scanned)
+        def step() -> None:  # as refine.iterate
+            iterate_step(apply, figures_of, figures, args.device, host)
 
         repeat = 3
     sync = torch.cuda.synchronize if cuda else (lambda: None)

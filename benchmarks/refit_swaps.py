@@ -7,7 +7,9 @@ moves as torch operations; ``same``: the engine applied the first engine's swaps
 build the float64 re-fit state (Cholesky of G_SS + lambda I, H, v, r, s and Z = H G[S, P]: O(k^2 (d_in - k))) and of
 one re-fit iteration (the updates of the applied swaps, then the pair scan of the swapped rows), against a
 least-squares re-fit of the same mask (refit_weights) and one mask-only iteration (best_swaps on the default
-backend, then the float64 c update), plus the state's memory per row, and the floor of this design: the Cholesky
+backend, then the float64 c update; and ``mask rows it``: an iteration of the mask objective's row model
+``refine.MaskRows``, run as the re-fit engines' are, i.e. as ``refine.iterate`` runs it, with the same per-call
+costs: the like-for-like comparison), plus the state's memory per row, and the floor of this design: the Cholesky
 factor ``L`` of ``G_SS + lambda I`` and the Schur complement ``s_p = G_pp + lambda - ||L^{-1} G[S, p]||^2`` of every
 pruned ``p`` (one triangular solve against all of ``G[S, P]``, ``k^2 (d_in - k)`` flops), which the pair scan's
 bound ``dF >= -r_p^2 / s_p`` needs before it can skip any column; and the torch state build with ``H`` formed both
@@ -27,11 +29,11 @@ import platform
 import time
 
 import torch
-from common import cuda_sync, pattern_options, random_layer, timed
+from common import cuda_sync, iterate_step, pattern_options, random_layer, timed
 
 from sparseswaps_prune.core.backends import best_swaps, refit_lazy, resolve_backend, triton_available
 from sparseswaps_prune.core.losses import correlation
-from sparseswaps_prune.core.refine import Figures, RefitRows
+from sparseswaps_prune.core.refine import MaskRows, RefitRows
 from sparseswaps_prune.core.refit import damping, factor_kept, refit_weights
 from sparseswaps_prune.core.refit_swaps import build_state, pruned_slots
 
@@ -50,6 +52,24 @@ def schur_floor(weight: torch.Tensor, gram: torch.Tensor, keep: torch.Tensor, la
     return torch.diagonal(gram)[pruned] + lam - half.square().sum(dim=1)
 
 
+def row_model_iterations(model: MaskRows | RefitRows, rows: torch.Tensor, iters: int) -> float:
+    """Mean seconds of an iteration of ``model``'s row scope as ``refine.iterate`` runs it (``common.iterate_step``:
+    the rows whose swap lowers the loss chosen on the host, one transfer each way), over ``iters`` iterations after
+    one warm-up iteration (compilation); ``model`` is modified."""
+    figures = model.figures(rows, cross=False)
+
+    def iteration() -> None:
+        iterate_step(model.apply, lambda moved: model.figures(moved, cross=False), figures, rows.device)
+
+    iteration()
+    cuda_sync()
+    start = time.perf_counter()
+    for _ in range(iters):
+        iteration()
+    cuda_sync()
+    return (time.perf_counter() - start) / iters
+
+
 def measure(
     d_in: int,
     n_rows: int,
@@ -59,16 +79,17 @@ def measure(
     iters: int,
     pattern: str = "60%",
     engines: list[str] | None = None,
-) -> tuple[int, float, dict[str, tuple[float, float, bool]], float, float, float, tuple[float, float]]:
+) -> tuple[int, float, dict[str, tuple[float, float, bool]], float, float, float, tuple[float, float], float]:
     """``(k, state MiB per row, {engine: (build s/row, iteration s/row, same masks as the first engine)},
     least-squares re-fit s/row, mask-only iteration s/row, floor s/row, (torch build s/row with H by
-    cholesky_inverse, by the triangular inverse))`` for one width. An iteration is the updates of the applied swaps
-    plus the pair scan of the swapped rows (a row whose best swap does not lower ``F`` keeps its figures, as in
-    ``refine.iterate``), averaged over ``iters`` iterations after one
-    warm-up iteration (the lazy engines fold their pending terms every few moves). ``engines``: ``RefitRows``
-    engines, or ``lazy-torch`` (default: torch and numba on the CPU; torch, triton, lazy, lazy-torch on CUDA).
-    ``pattern``: ``"60%"``,
-    ``"2:4"``, ... (``search`` must be ``"nm"`` for N:M)."""
+    cholesky_inverse, by the triangular inverse), mask-objective row-model iteration s/row)`` for one width. An
+    iteration is ``refine.iterate``'s (:func:`row_model_iterations`): the updates of the applied swaps plus the pair
+    scan of the swapped rows (a row whose best swap does not lower ``F`` keeps its figures), averaged over ``iters``
+    iterations after one warm-up iteration (the lazy engines fold their pending terms every few moves). The
+    mask-only iteration is the search and the ``c`` update alone (the figures of earlier tables); the mask-objective
+    row model's (``refine.MaskRows``) runs as the re-fit engines' do, with the same per-call costs. ``engines``:
+    ``RefitRows`` engines, or ``lazy-torch`` (default: torch and numba on the CPU; torch, triton, lazy, lazy-torch on
+    CUDA). ``pattern``: ``"60%"``, ``"2:4"``, ... (``search`` must be ``"nm"`` for N:M)."""
     nm = pattern_options(pattern)["nm"]
     weight, gram, keep = (t.to(device) for t in random_layer(d_in, n_rows, pattern, dtype=torch.float64))
     k = int(keep.sum(1).max())
@@ -98,25 +119,12 @@ def measure(
 
         build_s = timed(build, repeat=BUILD_REPEAT)
         model = build()
-
-        figs = model.figures(rows, cross=False)
-
-        def iteration(model: RefitRows = model, fig: Figures = figs) -> None:
-            accept = fig.swap_dl < 0
-            moved = rows[accept]
-            slots = (fig.swap_a[accept].to(moved.device), fig.swap_b[accept].to(moved.device))
-            model.apply((moved, *slots))
-            fig.update(moved.cpu(), model.figures(moved, cross=False))
-
-        iteration()  # warm-up (compilation), not timed
-        cuda_sync()
-        start = time.perf_counter()  # the iterations only, not the build
-        for _ in range(iters):
-            iteration()
-        cuda_sync()
+        iteration_s = row_model_iterations(model, rows, iters)
         masks[engine] = model.keep
         same = torch.equal(model.keep, masks[engines[0]])
-        figures[engine] = (build_s / n_rows, (time.perf_counter() - start) / iters / n_rows, same)
+        figures[engine] = (build_s / n_rows, iteration_s / n_rows, same)
+    mask_rows = MaskRows(weight, keep.clone(), gram, gram.float(), search=search, nm=nm, row_batch=n_rows)
+    mask_rows_it = row_model_iterations(mask_rows, rows, iters) / n_rows
     ls = timed(lambda: refit_weights(weight, gram, keep, damp=damp), repeat=BUILD_REPEAT)
     w32, g32 = weight.float(), gram.float()
     corr = correlation(weight, gram, keep)
@@ -129,7 +137,7 @@ def measure(
     mask_it = timed(mask_iteration)
     floor = timed(lambda: schur_floor(weight, gram, keep, lam), repeat=BUILD_REPEAT)
     mib = (k * k + k * q) * 8 / 2**20
-    return k, mib, figures, ls / n_rows, mask_it / n_rows, floor / n_rows, builds
+    return k, mib, figures, ls / n_rows, mask_it / n_rows, floor / n_rows, builds, mask_rows_it
 
 
 def main() -> None:
@@ -159,17 +167,18 @@ def main() -> None:
     print(
         f"{'d_in':>5} {'k':>5} {'state MiB/row':>13} {'engine':>6} {'build s/row':>11} {'refit it s/row':>14} "
         f"{'ls re-fit s/row':>15} {'mask it s/row':>13} {'floor s/row':>11} {'same':>4} {'H potri s/row':>13} "
-        f"{'H trsm s/row':>12}"
+        f"{'H trsm s/row':>12} {'mask rows it s/row':>18}"
     )
     search = resolve_backend("auto", torch.device(args.device), pattern_options(args.pattern)["nm"])
     for d_in in args.widths:
-        k, mib, figures, ls, mask_it, floor, (by_potri, by_trsm) = measure(
+        k, mib, figures, ls, mask_it, floor, (by_potri, by_trsm), mask_rows_it = measure(
             d_in, args.rows, args.device, args.damp, search, args.iters, args.pattern, args.engines
         )
         for engine, (build, refit_it, same) in figures.items():
             print(
                 f"{d_in:>5} {k:>5} {mib:>13.1f} {engine:>6} {build:>11.3e} {refit_it:>14.3e} {ls:>15.3e} "
-                f"{mask_it:>13.3e} {floor:>11.3e} {'yes' if same else 'NO':>4} {by_potri:>13.3e} {by_trsm:>12.3e}"
+                f"{mask_it:>13.3e} {floor:>11.3e} {'yes' if same else 'NO':>4} {by_potri:>13.3e} {by_trsm:>12.3e} "
+                f"{mask_rows_it:>18.3e}"
             )
 
 

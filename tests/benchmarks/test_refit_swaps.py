@@ -13,12 +13,13 @@ from sparseswaps_prune.core import refit_swaps as rs
 @pytest.mark.parametrize(("pattern", "search", "kept"), [("60%", "torch", 10), ("2:4", "nm", 12)])
 def test_measure_times_both_engines(benchmark_script, pattern, search, kept):
     bench = benchmark_script("refit_swaps")
-    k, mib, figures, ls, mask_it, floor, builds = bench.measure(24, 3, "cpu", 0.01, search, iters=2, pattern=pattern)
+    out = bench.measure(24, 3, "cpu", 0.01, search, iters=2, pattern=pattern)
+    k, mib, figures, ls, mask_it, floor, builds, mask_rows_it = out
     assert k == kept  # 60% of 24 pruned per row (round(14.4) = 14), or 2 of every 4 kept
     assert math.isclose(mib, (k * k + k * (24 - k)) * 8 / 2**20)
     assert set(figures) == {"torch", "numba"}
     assert all(build > 0 and it > 0 and same for build, it, same in figures.values())
-    assert ls > 0 and mask_it > 0 and floor > 0
+    assert ls > 0 and mask_it > 0 and floor > 0 and mask_rows_it > 0
     assert len(builds) == 2 and all(build > 0 for build in builds)  # H by cholesky_inverse, by the triangular inverse
 
 
