@@ -76,13 +76,15 @@ def test_scan_ties_and_rows_without_a_pair():
 def test_best_slots_reduces_the_partial_minima_as_torch_does():
     d, k_slots, q_slots = 600, 300, 290  # slots over one kernel block (BEST_SLOTS_BLOCK)
     inf, no_key = float("inf"), torch.iinfo(torch.long).max
-    part_val = torch.tensor([[-2.0, -3.0, -3.0], [inf, inf, inf], [1.0, -1.0, inf], [-5.0, inf, inf]])
-    part_key = torch.tensor([[7, 9 * d + 4, 5 * d + 280], [no_key, 3, no_key], [1, 4 * d + 9, no_key], [0, 0, 0]])
+    part_val = torch.tensor([[-2.0, -3.0, -3.0], [inf, inf, inf], [1.0, -1.0, inf], [-5.0, inf, inf], [-1.0, 0, 0]])
+    part_key = torch.tensor([[7, 9 * d + 4, 5 * d + 280], [no_key, 3, no_key], [1, 4 * d + 9, no_key], [0, 0, 0],
+                             [7 * d + 300, 0, 0]])  # fmt: skip
     gen = torch.Generator().manual_seed(0)
-    kept = torch.randint(10, 250, (4, k_slots), generator=gen)  # none of the winners below
-    pruned = torch.randint(10, 250, (4, q_slots), generator=gen)
-    kept_ok = torch.ones(4, k_slots, dtype=torch.bool)
-    pruned_ok = torch.ones(4, q_slots, dtype=torch.bool)
+    kept = torch.randint(10, 250, (5, k_slots), generator=gen)  # none of the winners below
+    pruned = torch.randint(10, 250, (5, q_slots), generator=gen)
+    kept_ok = torch.ones(5, k_slots, dtype=torch.bool)
+    pruned_ok = torch.ones(5, q_slots, dtype=torch.bool)
+    kept[4, 17], pruned[4, 100] = 7, 300  # in the first block of slots
     kept[0, [3, 260]], kept_ok[0, 3] = 5, False  # the winner u = 5: a vacant slot before the occupied one
     pruned[0, [2, 270]], pruned_ok[0, 2] = 280, False  # p = 280 likewise
     kept[2, 299], pruned[2, 289] = 4, 9  # in the last slots
@@ -94,7 +96,7 @@ def test_best_slots_reduces_the_partial_minima_as_torch_does():
     slot_j = torch.where(found, ((pruned == p[:, None]) & pruned_ok).to(torch.int8).argmax(dim=1), 0)
     args = [t.to(DEVICE) for t in (part_val, part_key, kept, kept_ok.to(torch.int8), pruned, pruned_ok.to(torch.int8))]
     got = refit_triton.best_slots(*args, d)
-    assert [t.tolist() for t in (slot_i, slot_j)] == [[260, 0, 299, 0], [270, 0, 289, 0]]
+    assert [t.tolist() for t in (slot_i, slot_j)] == [[260, 0, 299, 0, 17], [270, 0, 289, 0, 100]]
     for g, r in zip(got, (best, slot_i, slot_j), strict=True):
         assert torch.equal(g.cpu(), r)
 
@@ -296,19 +298,23 @@ def test_the_scan_of_a_lazy_state_reads_its_pending_terms(nm):
     assert max(ranks) == 4 and 2 in ranks[2:]  # pending terms read by the kernel, and folds
 
 
-@pytest.mark.parametrize("scope,nm", [("row", None), ("row", (2, 4)), ("layer", None)])
-def test_the_lazy_states_kernels_choose_the_torch_engines_swaps(scope, nm, monkeypatch):
+@pytest.mark.parametrize(
+    "scope,nm,d_in,iters,slots",
+    [("row", None, 32, 40, 4), ("row", (2, 4), 32, 40, 4), ("layer", None, 32, 40, 4),
+     ("row", None, 300, 12, 8), ("row", (2, 4), 300, 12, 8)],  # over several of the kernels' blocks of slots
+)  # fmt: skip
+def test_the_lazy_states_kernels_choose_the_torch_engines_swaps(scope, nm, d_in, iters, slots, monkeypatch):
     """The lazy state with the kernel's scan and its moves in the two kernels of ``refit_lazy_triton`` (swaps, and
-    across rows removals and restores), folds every second swap, against the torch reference."""
+    across rows removals and restores), folds every ``slots / 2`` swaps, against the torch reference."""
     from sparseswaps_prune.core.backends import refit_lazy
 
-    weight, gram, keep = _layer(6, 32, seed=7, nm=nm)
-    options = {"max_iters": 40, "nm": nm, "objective": "refit", "damp": 0.01, "scope": scope}
+    weight, gram, keep = _layer(6, d_in, seed=7 if d_in == 32 else 4, nm=nm)
+    options = {"max_iters": iters, "nm": nm, "objective": "refit", "damp": 0.01, "scope": scope}
     reference = refine_mask(weight, gram, keep, backend="torch", **options)
     built = []
 
     def kernels(*args, **kwargs):
-        built.append(refit_lazy.LazyRefitState(*args, **{**kwargs, "triton_scan": True, "factor_slots": 4}))
+        built.append(refit_lazy.LazyRefitState(*args, **{**kwargs, "triton_scan": True, "factor_slots": slots}))
         return built[-1]
 
     monkeypatch.setattr(refine, "resolve_refit_backend", lambda backend, device: "lazy")
