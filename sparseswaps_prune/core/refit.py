@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from sparseswaps_prune.core.backends.gram_gather import gather_gram
 from sparseswaps_prune.core.checks import check_gram, check_int, check_mask, check_number, check_weight
 
 # Elements of the [rows, k, k] systems solved at once when the caller gives no row_batch (16 MiB float64). Small
@@ -66,7 +67,7 @@ def factor_kept(
     # kept inputs first (ascending), then the pruned ones
     slots = torch.sort((~keep).to(torch.int8), dim=1, stable=True).indices[:, :n_slots]
     valid = torch.arange(n_slots, device=keep.device) < counts[:, None]
-    system = gram64[slots[:, :, None], slots[:, None, :]]
+    system = gather_gram(gram64, slots, slots)
     system.diagonal(dim1=1, dim2=2).add_(lam[slots] if isinstance(lam, torch.Tensor) else lam)
     padded = counts < n_slots
     if bool(padded.any()):

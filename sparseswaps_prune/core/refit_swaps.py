@@ -38,6 +38,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from sparseswaps_prune.core.backends.gram_gather import gather_gram
 from sparseswaps_prune.core.checks import check_gram, check_mask, check_number, check_weight
 from sparseswaps_prune.core.refit import REFIT_DAMP, damping, factor_kept
 
@@ -189,13 +190,13 @@ def build_state(
     inv.diagonal(dim1=1, dim2=2).mul_(kept_ok)
     coef = (inv @ kept_target).squeeze(2)
     if transposed_z:
-        cross = gram64[pruned[:, :, None], kept[:, None, :]]
+        cross = gather_gram(gram64, pruned, kept)
         cross[~pruned_ok] = 0.0  # vacant pruned slots: zero Z there
         z = torch.matmul(cross, inv, out=z_out)  # Z^T = G[P, S] H
         fitted, quad = (cross @ coef[:, :, None]).squeeze(2), _product_sums(cross, z, 2)  # G[p, S] v, G[p, S] Z[:, p]
         z = z.mT
     else:
-        cross = gram64[kept[:, :, None], pruned[:, None, :]]
+        cross = gather_gram(gram64, kept, pruned)
         cross.mT[~pruned_ok] = 0.0
         z = torch.matmul(inv, cross, out=z_out)
         fitted, quad = torch.einsum("rkq,rk->rq", cross, coef), _product_sums(cross, z, 1)  # (an einsum is slower)
