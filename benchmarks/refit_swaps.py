@@ -32,6 +32,7 @@ import torch
 from common import cuda_sync, iterate_step, pattern_options, random_layer, timed
 
 from sparseswaps_prune.core.backends import best_swaps, refit_lazy, resolve_backend, triton_available
+from sparseswaps_prune.core.backends.gram_gather import gather_gram
 from sparseswaps_prune.core.losses import correlation
 from sparseswaps_prune.core.refine import MaskRows, RefitRows
 from sparseswaps_prune.core.refit import damping, factor_kept, refit_weights
@@ -47,7 +48,7 @@ def schur_floor(weight: torch.Tensor, gram: torch.Tensor, keep: torch.Tensor, la
     counts = keep.sum(1)
     kept, kept_ok, factor = factor_kept(gram, keep, lam, int(counts.max()))
     pruned, _ = pruned_slots(keep, keep.shape[1] - int(counts.min()))
-    cross = gram[torch.where(kept_ok, kept, 0)[:, :, None], pruned[:, None, :]] * kept_ok[:, :, None]
+    cross = gather_gram(gram, torch.where(kept_ok, kept, 0), pruned) * kept_ok[:, :, None]  # as build_state
     half = torch.linalg.solve_triangular(factor, cross, upper=False)  # L^-1 G[S, P]
     return torch.diagonal(gram)[pruned] + lam - half.square().sum(dim=1)
 
