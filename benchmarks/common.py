@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from sparseswaps_prune.core import refit_swaps as rs
+from sparseswaps_prune.core.backends.gram_gather import gather_gram
 from sparseswaps_prune.core.gram import GramAccumulator
 from sparseswaps_prune.core.refine import Figures
 from sparseswaps_prune.core.refit import REFIT_DAMP, factor_kept
@@ -178,7 +179,7 @@ def lazy_build(
     resid = target - torch.zeros_like(w64).scatter_(1, kept, torch.where(kept_ok, coef, 0.0)) @ gram64
     loose = torch.where(~keep & (w64 != 0), -resid.square() / shared, float("inf"))
     inputs = loose.topk(columns, dim=1, largest=False).indices
-    cross = gram64[kept[:, :, None], inputs[:, None, :]] * kept_ok[:, :, None]
+    cross = gather_gram(gram64, kept, inputs) * kept_ok[:, :, None]  # as build_state
     half_cross = half @ cross  # L^-1 G[S, p]
     schur = torch.diagonal(gram64)[inputs] + lam - half_cross.square().sum(dim=1)
     return hdiag, coef, resid, inputs, schur, half.mT @ half_cross
