@@ -236,15 +236,26 @@ def moves(state, mode: int, rows: torch.Tensor, slot_a: torch.Tensor, slot_b: to
     return out_u, out_p
 
 
+# kept_slot_ranges' block of a vacant kept slot (and of a tile without scanned slots): above every block.
+VACANT_BLOCK: tl.constexpr = tl.constexpr(2147483647)
+
+
+@triton.jit
+def _kept_block(kept_row, kept_ok_row, slot, mask, M: tl.constexpr):
+    """The N:M block (``kept // M``) of a row's kept slots ``slot`` where ``mask`` and occupied, else
+    :data:`VACANT_BLOCK`."""
+    ok = mask & (tl.load(kept_ok_row + slot, mask=mask, other=0) != 0)
+    return tl.where(ok, tl.load(kept_row + slot, mask=mask, other=0) // M, VACANT_BLOCK)
+
+
 @triton.jit
 def _halve(kept_row, kept_ok_row, first, end, target, M: tl.constexpr, RIGHT: tl.constexpr):
-    """One halving of binary searches (one per lane) over a row's kept blocks (``kept // M``, vacant slots last):
-    the first slot in ``[first, end)`` whose block is ``>= target`` (``> target`` with ``RIGHT``), as
+    """One halving of binary searches (one per lane) over a row's kept blocks (:func:`_kept_block`, vacant slots
+    last): the first slot in ``[first, end)`` whose block is ``>= target`` (``> target`` with ``RIGHT``), as
     ``torch.searchsorted``; returns the new ``(first, end)``."""
     active = first < end
     mid = (first + end) // 2
-    ok = active & (tl.load(kept_ok_row + mid, mask=active, other=0) != 0)
-    block = tl.where(ok, tl.load(kept_row + mid, mask=active, other=0) // M, 2147483647)
+    block = _kept_block(kept_row, kept_ok_row, mid, active, M)
     if RIGHT:
         after = active & (block <= target)
     else:
@@ -273,7 +284,6 @@ def _prologue_kernel(
     rem_max = tl.zeros([BLOCK], tl.float64)
     broken = tl.zeros([BLOCK], tl.int32)
     descents = tl.zeros([BLOCK], tl.int32)  # N:M: kept slots whose block is below the previous slot's
-    big = 2147483647  # kept_slot_ranges' block of a vacant kept slot (and of no scanned slot)
     for x0 in range(0, K, BLOCK):  # removal_terms, as the reference
         x = x0 + ks
         x_in = x < K
@@ -290,11 +300,9 @@ def _prologue_kernel(
         rem_max = tl.maximum(rem_max, tl.where(ok, tl.abs(remove), 0.0))
         broken += (ok & ~(h > 0)).to(tl.int32)
         if M > 0:
-            block = tl.where(ok, tl.load(kept_ptr + r * K + x, mask=x_in, other=0) // M, big)
-            has_next = (x + 1) < K
-            ok_next = has_next & (tl.load(kept_ok_ptr + r * K + x + 1, mask=has_next, other=0) != 0)
-            block_next = tl.where(ok_next, tl.load(kept_ptr + r * K + x + 1, mask=has_next, other=0) // M, big)
-            descents += (has_next & (block_next < block)).to(tl.int32)
+            block = _kept_block(kept_ptr + r * K, kept_ok_ptr + r * K, x, x_in, M)
+            block_next = _kept_block(kept_ptr + r * K, kept_ok_ptr + r * K, x + 1, x + 1 < K, M)
+            descents += ((x + 1 < K) & (block_next < block)).to(tl.int32)
     rem_top = tl.max(rem_max, axis=0)
     bounded = tl.sum(broken, axis=0) == 0
     for q0 in range(0, Q, BLOCK):  # restorable slots and their restore gains -r_p^2 / s_p
@@ -371,7 +379,7 @@ def _prologue_kernel(
             q = q0 + tl.arange(0, TILE_BLOCK)
             scanned = (q < Q) & (tl.load(need_out + e * Q + q, mask=q < Q, other=0) != 0)
             block = tl.load(pruned_ptr + r * Q + q, mask=scanned, other=0) // M
-            lowest = tl.min(tl.reshape(tl.where(scanned, block, big), [TILE_BLOCK // TILE_Q, TILE_Q]), axis=1)
+            lowest = tl.min(tl.reshape(tl.where(scanned, block, VACANT_BLOCK), [TILE_BLOCK // TILE_Q, TILE_Q]), axis=1)
             highest = tl.max(tl.reshape(tl.where(scanned, block, -1), [TILE_BLOCK // TILE_Q, TILE_Q]), axis=1)
             lo_first, lo_end = tl.zeros_like(tile_lanes), tl.zeros_like(tile_lanes) + K  # first kept block >= lowest
             hi_first, hi_end = tl.zeros_like(tile_lanes), tl.zeros_like(tile_lanes) + K  # first kept block > highest
