@@ -26,10 +26,9 @@ from __future__ import annotations
 
 import argparse
 import platform
-import time
 
 import torch
-from common import cuda_sync, iterate_step, pattern_options, random_layer, timed
+from common import iterate_step, pattern_options, random_layer, timed
 
 from sparseswaps_prune.core.backends import best_swaps, refit_lazy, resolve_backend, triton_available
 from sparseswaps_prune.core.backends.gram_gather import gather_gram
@@ -62,13 +61,7 @@ def row_model_iterations(model: MaskRows | RefitRows, rows: torch.Tensor, iters:
     def iteration() -> None:
         iterate_step(model.apply, lambda moved: model.figures(moved, cross=False), figures, rows.device)
 
-    iteration()
-    cuda_sync()
-    start = time.perf_counter()
-    for _ in range(iters):
-        iteration()
-    cuda_sync()
-    return (time.perf_counter() - start) / iters
+    return timed(iteration, repeat=iters)
 
 
 def measure(
