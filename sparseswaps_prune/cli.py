@@ -112,6 +112,7 @@ def _prune_distributed(config: JobConfig, args: argparse.Namespace) -> int:
     ranks = init_from_env(config.device)
     try:
         report = run_job(config, args.out, progress=not (args.quiet or args.json_log))
+        ranks.barrier()  # every rank has received the report before any tears the group down
     finally:
         dist.destroy_process_group()
     if ranks.is_main:
