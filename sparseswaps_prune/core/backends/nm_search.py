@@ -20,8 +20,8 @@ def best_swaps_nm(
     remove, restore, cross, restore_weight = (
         t.reshape(rows, n_blocks, m) for t in swap_terms(weight, keep, corr, torch.diagonal(gram))
     )
-    idx = torch.arange(d, device=gram.device).reshape(n_blocks, m)
-    gram_blocks = gram[idx[:, :, None], idx[:, None, :]]  # [n_blocks, m, m]
+    # [n_blocks, m, m]: the Gram's diagonal blocks, a view ([a, b, i] = gram[i m + a, i m + b] before the permute)
+    gram_blocks = gram.reshape(n_blocks, m, n_blocks, m).diagonal(dim1=0, dim2=2).permute(2, 0, 1)
     pair = restore[:, :, None, :] + cross[:, :, :, None] * (gram_blocks[None] * restore_weight[:, :, None, :])
     cost = (remove[:, :, :, None] + pair).reshape(rows, -1)  # flattened (block, u, p)
     best, flat = cost.min(dim=1)
