@@ -260,18 +260,20 @@ def run_job(config: JobConfig, out_dir: str | os.PathLike[str], *, progress: boo
         )
 
     state = out / STATE_DIR
-    # A checkpoint of another run (model, dtype, data, options) stops here, naming what differs, before the
-    # dense evaluation; the dense perplexity is reused only if model, dtype, eval text and windows are the same.
+    # A checkpoint of another run (model, dtype, data, options, numerics) stops here, naming what differs, before the
+    # dense evaluation; the dense perplexity is reused only if model, dtype, numerics, eval text and windows are the
+    # same.
     model_parts, keep_dense = checkpoint.model_parts(model), config.eval_warmstart and eval_tokens is not None
-    settings = checkpoint_settings(keep_dense, ranks)
+    settings = checkpoint_settings(keep_dense, ranks, batch_size=config.batch_size, device=config.device)
     fingerprint = checkpoint.fingerprint(model, config.prune, calib, holdout, known_model_parts=model_parts, **settings)
     checkpoint.check(state, fingerprint)
     state.mkdir(parents=True, exist_ok=True)
-    dense_key = model_parts | {
+    evaluation = {
         "eval": checkpoint.tokens_digest(eval_tokens),
         "seqlen": config.seqlen,
         "eval_windows": config.eval_windows,
     }
+    dense_key = model_parts | checkpoint.numerics(config.batch_size, config.device) | evaluation
     dense = _dense_perplexity(state / "dense.json", dense_key, ppl) if main else None
     result = prune_model(
         model,

@@ -332,7 +332,7 @@ def prune_model(
     state = Path(checkpoint_dir) if checkpoint_dir is not None else None
     result, first_block, inputs = PruneResult(), 0, None
     if state is not None:
-        settings = checkpoint_settings(keep_dense, ranks)
+        settings = checkpoint_settings(keep_dense, ranks, batch_size=batch_size, device=device)
         fingerprint = checkpoint.fingerprint(model, options, calib_tokens, holdout_tokens, **settings)
         resumed = checkpoint.load(state, fingerprint, ranks)
         if resumed is not None:
@@ -358,10 +358,14 @@ def prune_model(
     return result
 
 
-def checkpoint_settings(keep_dense: bool, ranks: Ranks | None) -> dict[str, Any]:
+def checkpoint_settings(
+    keep_dense: bool, ranks: Ranks | None, *, batch_size: int, device: torch.device | str
+) -> dict[str, Any]:
     """The settings besides the options that a checkpoint's fingerprint records (``checkpoint.fingerprint``'s
-    ``**settings``): ``keep_dense``, and with ranks their number (each rank's inputs are its own)."""
-    return {"keep_dense": keep_dense} | ({} if ranks is None else {"world_size": ranks.world_size})
+    ``**settings``): ``keep_dense``, the numerics of ``batch_size`` and ``device`` (``checkpoint.numerics``), and
+    with ranks their number (each rank's inputs are its own)."""
+    ranked = {} if ranks is None else {"world_size": ranks.world_size}
+    return {"keep_dense": keep_dense} | checkpoint.numerics(batch_size, device) | ranked
 
 
 def window_shards(

@@ -948,11 +948,14 @@ def _fingerprint(
     planned: list[tuple[str, torch.dtype, tuple[int, ...]]],
     max_shard_size: int | str,
     ranks: Ranks | None,
+    *,
+    batch_size: int,
+    device: torch.device,
 ) -> checkpoint.Fingerprint:
     """The :class:`~sparseswaps_prune.llm.checkpoint.Fingerprint` of a :func:`prune_checkpoint` call: the model's
     config, the source's weight files (hashed on rank 0 and broadcast), ``dtype``, ``options``, the windows, the
-    number of ``ranks`` (None: one process), ``max_shard_size`` and the output plan (``planned``: name, dtype and
-    shape of every output tensor, in order)."""
+    number of ``ranks`` (None: one process), the numerics of ``batch_size`` and ``device``, ``max_shard_size`` and
+    the output plan (``planned``: name, dtype and shape of every output tensor, in order)."""
     weights = reader.digest() if ranks is None or ranks.is_main else None
     parts = {
         "model_config": checkpoint.config_digest(model),
@@ -960,7 +963,7 @@ def _fingerprint(
         "dtype": str(dtype).removeprefix("torch."),
     }
     plan = json.dumps([[name, str(kind), list(shape)] for name, kind, shape in planned])
-    settings = pipeline.checkpoint_settings(False, ranks) | {
+    settings = pipeline.checkpoint_settings(False, ranks, batch_size=batch_size, device=device) | {
         "max_shard_size": parse_size(max_shard_size),
         "output_plan": hashlib.sha256(plan.encode()).hexdigest()[:16],
     }
@@ -1085,8 +1088,9 @@ def prune_checkpoint(
     if checkpoint_dir is not None:
         state_dir = Path(checkpoint_dir)
         fingerprint = _fingerprint(
-            model, reader, dtype, options, calib_tokens, holdout_tokens, planned, max_shard_size, checkpoint_ranks
-        )
+            model, reader, dtype, options, calib_tokens, holdout_tokens, planned, max_shard_size, checkpoint_ranks,
+            batch_size=batch_size, device=device,
+        )  # fmt: skip
         resumed = checkpoint.load(state_dir, fingerprint, checkpoint_ranks)
     first_block = 0 if resumed is None else resumed.next_block
     writer, error = None, None

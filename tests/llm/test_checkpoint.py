@@ -32,17 +32,23 @@ def tokens(n: int, seed: int) -> torch.Tensor:
     return torch.randint(3, 3000, (n, 16), generator=torch.Generator().manual_seed(seed))
 
 
-def run(checkpoint_dir=None, model=None, opts=None, calib=None, keep_dense=True):
+def run(checkpoint_dir=None, model=None, opts=None, calib=None, keep_dense=True, batch_size=1, threads=None):
     model = model if model is not None else tiny_model("llama", num_hidden_layers=N_BLOCKS)
-    result = prune_model(
-        model,
-        tokens(4, 0) if calib is None else calib,
-        opts or options(),
-        checkpoint_dir=checkpoint_dir,
-        progress=False,
-        holdout_tokens=tokens(2, 1),
-        keep_dense=keep_dense,
-    )
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads or before)
+    try:
+        result = prune_model(
+            model,
+            tokens(4, 0) if calib is None else calib,
+            opts or options(),
+            checkpoint_dir=checkpoint_dir,
+            progress=False,
+            holdout_tokens=tokens(2, 1),
+            keep_dense=keep_dense,
+            batch_size=batch_size,
+        )
+    finally:
+        torch.set_num_threads(before)
     return model, result
 
 
@@ -171,6 +177,9 @@ def interrupted(interrupted_once, tmp_path):
         ({"opts": lambda: options(max_iters=3)}, r"other options: spec\.refine\.max_iters 2 -> 3"),
         ({"calib": lambda: tokens(4, 5)}, "other calibration windows"),
         ({"keep_dense": lambda: False}, "other settings: keep_dense True -> False"),
+        # the numerics: forwards of other batch shapes, or Cholesky factors on another thread count, round otherwise
+        ({"batch_size": lambda: 2}, "other settings: batch_size 1 -> 2"),
+        ({"threads": lambda: torch.get_num_threads() + 1}, "other settings: cpu_threads [0-9]+ -> [0-9]+"),
     ],
 )  # fmt: skip
 def test_other_run_is_refused_naming_what_differs(interrupted, change, match):
@@ -231,6 +240,8 @@ def test_job_refuses_another_model_or_dtype_and_rekeys_the_dense_perplexity(save
         run_job(JobConfig(**base, eval_windows=2, dtype="bfloat16"), out, progress=False)
     with pytest.raises(ValueError, match=r"other options: spec\.budget\.sparsity 0\.6 -> 0\.5"):
         run_job(JobConfig(**base | {"prune": options(sparsity=0.5)}, eval_windows=2), out, progress=False)
+    with pytest.raises(ValueError, match=r"other settings: batch_size 2 -> 1"):
+        run_job(JobConfig(**base | {"batch_size": 1}, eval_windows=2), out, progress=False)
 
     report = run_job(JobConfig(**base, eval_windows=3), out, progress=False)  # resumes; the dense ppl is re-measured
     model, tokenizer = load_model(str(saved_tiny))

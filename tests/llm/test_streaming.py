@@ -401,6 +401,7 @@ def test_interrupted_close_resumes(resume_case, interrupted_run, monkeypatch):
         ({"holdout_tokens": calib(2, seed=2)}, "other holdout windows"),
         ({"max_shard_size": "2MB"}, r"other settings: max_shard_size 1000000 -> 2000000"),
         ({"dtype": torch.bfloat16}, r"another dtype \(float32 -> bfloat16\)"),
+        ({"batch_size": 2}, r"other settings: batch_size 1 -> 2"),
     ],
 )
 def test_resume_of_another_run_is_refused_before_writing(interrupted_run, change, match):
