@@ -13,8 +13,8 @@ Block ``k`` is recorded by writing ``block_{k}.pt`` and ``inputs_<key>_{k+1}.pt`
 replacing ``progress.json`` (the commit point), then deleting block ``k``'s inputs. A crash anywhere in between
 leaves either the old marker with its files intact or the new one with its files intact; files that no marker
 names (an interrupted write, ``*.tmp``) are removed on the next start. A restart with a different model, dtype,
-calibration data or options, or with other numerics (:func:`numerics`: batch size, device, torch version, CPU
-threads), stops with a :class:`CheckpointMismatch` naming what differs.
+calibration data or options, or with other numerics (:func:`numerics`: batch size, device, torch and transformers
+versions, CPU threads), stops with a :class:`CheckpointMismatch` naming what differs.
 
 The out-of-core path (:func:`~sparseswaps_prune.llm.streaming.prune_checkpoint`) records its blocks with the same
 layout and protocol (:func:`commit_block`); its block files hold the layer reports only, since the block's pruned
@@ -125,12 +125,15 @@ def _tensor_bytes(t: torch.Tensor) -> memoryview:
 def numerics(batch_size: int, device: torch.device | str) -> dict[str, Any]:
     """What besides the model, the options and the windows changes a run's bits, so that a resume must keep it
     (settings of :func:`fingerprint`): ``batch_size`` (the windows per forward: matrix kernels round by the
-    batch's shape), ``device`` (``"cpu"``, or a CUDA device by name), ``torch`` (its version) and on the CPU
-    ``cpu_threads`` (``torch.get_num_threads()``: LAPACK's Cholesky factors, which every re-fit solves with,
-    round differently on one thread and on two)."""
+    batch's shape), ``device`` (``"cpu"``, or a CUDA device by name), the versions of ``torch`` and
+    ``transformers`` (the model's forward) and on the CPU ``cpu_threads`` (``torch.get_num_threads()``: LAPACK's
+    Cholesky factors, which every re-fit solves with, round differently on one thread and on two)."""
+    import transformers
+
     device = torch.device(device)
     name = f"cuda: {torch.cuda.get_device_name(device)}" if device.type == "cuda" else device.type
     found = {"batch_size": batch_size, "device": name, "torch": torch.__version__}
+    found["transformers"] = transformers.__version__
     return found | ({"cpu_threads": torch.get_num_threads()} if device.type == "cpu" else {})
 
 

@@ -190,6 +190,14 @@ def test_other_run_is_refused_naming_what_differs(interrupted, change, match):
     assert {p.name: p.read_bytes() for p in interrupted.iterdir()} == before  # nothing touched
 
 
+@pytest.mark.parametrize("module", ["torch", "transformers"])
+def test_a_resume_under_another_library_version_is_refused(interrupted, module, monkeypatch):
+    library = __import__(module)
+    monkeypatch.setattr(library, "__version__", "0.0.1")
+    with pytest.raises(CheckpointMismatch, match=rf"other settings: {module} \S+ -> 0\.0\.1"):
+        run(interrupted)
+
+
 def test_older_checkpoint_format_is_refused(interrupted):
     progress = interrupted / "progress.json"
     progress.write_text(json.dumps({"fingerprint": "0123456789abcdef", "next_block": 1, "inputs": ["fit"]}))
