@@ -303,6 +303,7 @@ def run_job(config: JobConfig, out_dir: str | os.PathLike[str], *, progress: boo
         "perplexity": {"dense": dense, "warmstart": warm, "refined": refined},
         "block_tunes": [asdict(t) for t in result.block_tunes],
         "seconds": {"prune": result.seconds, "wall": time.perf_counter() - start},
+        "numerics": checkpoint.numerics(config.batch_size, config.device),
     }
 
     def write_model(staging: Path) -> list[LayerReport]:
@@ -444,6 +445,7 @@ def _run_blockwise(config: JobConfig, out: Path, start: float, progress: bool) -
         "perplexity": {"dense": None, "warmstart": None, "refined": None},
         "block_tunes": [asdict(t) for t in result.block_tunes],
         "seconds": {"prune": result.seconds, "wall": time.perf_counter() - start},
+        "numerics": checkpoint.numerics(config.batch_size, config.device),
         "memory": result.report,
     }
     publish(report)

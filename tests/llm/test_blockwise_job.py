@@ -33,6 +33,7 @@ def test_blockwise_job_saves_the_in_memory_model(saved_tiny, tmp_path, capsys, f
     report = json.loads((streamed / "report.json").read_text())
     assert report["config"]["blockwise"] and report["perplexity"]["refined"] is None
     assert report["memory"]["peak_rss_bytes"] > 0 and report["memory"]["bytes_written"] > 0
+    assert report["numerics"]["device"] == "cpu" and report["numerics"]["cpu_threads"] == torch.get_num_threads()
     assert len(report["memory"]["blocks"]) == 2
     untimed = [{k: v for k, v in row.items() if not k.startswith("seconds")} for row in report["layers"]]
     loaded_rows = json.loads((loaded / "report.json").read_text())["layers"]

@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+import transformers
 
 from sparseswaps_prune.callbacks import SparseSwapsPruning
 from sparseswaps_prune.cli import build_parser, job_config, main
@@ -31,6 +32,14 @@ def test_prune_report_eval(saved_tiny, tmp_path, capsys):
     assert config["holdout"] == 8
     assert summary["totals"]["loss_final"] <= summary["totals"]["loss_refined"]
     assert summary["totals"]["holdout_final"] is not None
+    report = json.loads((out / "report.json").read_text())  # what the result's bits depend on besides the options
+    assert report["numerics"] == {
+        "batch_size": config["batch_size"],
+        "device": "cpu",
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "cpu_threads": torch.get_num_threads(),
+    }
     assert main(["report", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "perplexity: dense" in printed and "summed layer loss (held-out)" in printed
