@@ -485,4 +485,11 @@ def summary(report: dict[str, Any]) -> str:
         f"perplexity: dense {fmt(ppl['dense'])} | start mask {fmt(ppl['warmstart'])} | pruned {fmt(ppl['refined'])}"
     )
     lines.append(f"time: pruning {report['seconds']['prune']:.0f} s, wall {report['seconds']['wall']:.0f} s")
+    numerics = report.get("numerics")  # absent in reports written before it was recorded
+    if numerics:
+        threads = f" ({numerics['cpu_threads']} threads)" if "cpu_threads" in numerics else ""
+        lines.append(
+            f"computed with: batch size {numerics['batch_size']}, {numerics['device']}{threads}, torch "
+            f"{numerics['torch']}, transformers {numerics['transformers']}"
+        )
     return "\n".join(lines)

@@ -43,6 +43,9 @@ def test_prune_report_eval(saved_tiny, tmp_path, capsys):
     assert main(["report", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "perplexity: dense" in printed and "summed layer loss (held-out)" in printed
+    assert (
+        f"computed with: batch size {config['batch_size']}, cpu ({torch.get_num_threads()} threads), torch" in printed
+    )
     args = ["eval", "--model", str(out), "--seqlen", "32", "--eval-windows", "2", "--tasks", "builtin_cloze"]
     assert main([*args, "--limit", "4"]) == 0
     result = json.loads(capsys.readouterr().out)

@@ -224,6 +224,8 @@ def test_job_writes_complete_outputs_and_is_idempotent(saved_tiny, tmp_path):
     assert [t["block"] for t in report["block_tunes"]] == [0, 1]  # the default tunes every block
     assert all(t["holdout_after"] <= t["holdout_before"] for t in report["block_tunes"])
     assert "block tuning (2 blocks)" in summary(report)
+    older = {key: value for key, value in report.items() if key != "numerics"}  # written before numerics were
+    assert "computed with" in summary(report) and "computed with" not in summary(older)
     assert run_job(config, out, progress=False) == json.loads((out / "report.json").read_text())
     other = JobConfig(model=str(saved_tiny), prune=opts(max_iters=1), nsamples=4, seqlen=32)
     with pytest.raises(ValueError, match="another --out"):
