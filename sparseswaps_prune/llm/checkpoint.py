@@ -132,8 +132,12 @@ def numerics(batch_size: int, device: torch.device | str) -> dict[str, Any]:
 
     device = torch.device(device)
     name = f"cuda: {torch.cuda.get_device_name(device)}" if device.type == "cuda" else device.type
-    found = {"batch_size": batch_size, "device": name, "torch": torch.__version__}
-    found["transformers"] = transformers.__version__
+    found = {
+        "batch_size": batch_size,
+        "device": name,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+    }
     return found | ({"cpu_threads": torch.get_num_threads()} if device.type == "cpu" else {})
 
 

@@ -273,7 +273,8 @@ def run_job(config: JobConfig, out_dir: str | os.PathLike[str], *, progress: boo
         "seqlen": config.seqlen,
         "eval_windows": config.eval_windows,
     }
-    dense_key = model_parts | checkpoint.numerics(config.batch_size, config.device) | evaluation
+    numerics = checkpoint.numerics(config.batch_size, config.device)  # as the settings hold them; for the report too
+    dense_key = model_parts | numerics | evaluation
     dense = _dense_perplexity(state / "dense.json", dense_key, ppl) if main else None
     result = prune_model(
         model,
@@ -303,7 +304,7 @@ def run_job(config: JobConfig, out_dir: str | os.PathLike[str], *, progress: boo
         "perplexity": {"dense": dense, "warmstart": warm, "refined": refined},
         "block_tunes": [asdict(t) for t in result.block_tunes],
         "seconds": {"prune": result.seconds, "wall": time.perf_counter() - start},
-        "numerics": checkpoint.numerics(config.batch_size, config.device),
+        "numerics": numerics,
     }
 
     def write_model(staging: Path) -> list[LayerReport]:
