@@ -83,6 +83,7 @@ from sparseswaps_prune.core.spec import (
 )
 from sparseswaps_prune.llm.data import load_calibration, load_eval_tokens
 from sparseswaps_prune.llm.experiment import Experiment
+from sparseswaps_prune.llm.job import JobConfig
 from sparseswaps_prune.llm.models import load_model
 from sparseswaps_prune.llm.pipeline import PruneOptions
 from sparseswaps_prune.llm.tasks import write_builtin_cloze_task
@@ -92,7 +93,7 @@ PRESETS: dict[str, list[str]] = {
         "start=admm,scope=layer,refine=none,weights=start",  # ADMM as published (Boza 2024)
         "start=alps,scope=layer,refine=none,weights=start",  # ALPS as published (Meng et al. 2024)
         "start=sparsegpt,scope=layer,refine=none,weights=obs",  # SparseGPT as published
-        "default",  # the current default: wanda -> sparseswaps T=10 -> ls -> block tune 10
+        "default",  # the current default: wanda -> sparseswaps T=10 -> ls -> block tune 3
         "start=admm",  # admm -> sparseswaps T=10 (mask objective) -> ls
         "start=alps",  # alps -> sparseswaps T=10 -> ls
         "start=alps,refine=none",  # alps -> none -> ls
@@ -207,8 +208,8 @@ def main(
         default=DEFAULT_SPEC.refine.max_iters,
         help=f"SparseSwaps T unless a setting gives max_iters (default {DEFAULT_SPEC.refine.max_iters}, the default's)",
     )
-    parser.add_argument("--nsamples", type=int, default=16)
-    parser.add_argument("--holdout", type=int, default=8, help="held-out calibration windows")
+    parser.add_argument("--nsamples", type=int, default=JobConfig.nsamples, help="calibration windows (the job's)")
+    parser.add_argument("--holdout", type=int, default=JobConfig.holdout, help="held-out calibration windows")
     parser.add_argument("--seqlen", type=int, default=256)
     parser.add_argument("--eval-windows", type=int, default=32)
     parser.add_argument("--cloze-items", type=int, default=100, help="builtin_cloze items (0: no zero-shot)")

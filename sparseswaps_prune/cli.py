@@ -196,7 +196,7 @@ def _demo(args: argparse.Namespace) -> int:
 def _add_prune_options(p: argparse.ArgumentParser) -> None:
     """``sparseswaps prune``'s options, grouped by stage; spec options default to None (= DEFAULT_SPEC's value,
     shown in the help) so that only the given ones change the default spec."""
-    from sparseswaps_prune.llm.job import DEFAULT_HOLDOUT
+    from sparseswaps_prune.llm.job import DEFAULT_HOLDOUT, JobConfig
 
     spec = DEFAULT_SPEC
     p.add_argument(
@@ -303,8 +303,8 @@ def _add_prune_options(p: argparse.ArgumentParser) -> None:
     data.add_argument("--model", help="hub name or local path (default: packaged SmolLM2-135M-Instruct)")
     data.add_argument("--gguf-file", help="GGUF file inside --model")
     data.add_argument("--calib", help="calibration text: builtin | c4 | wikitext | PATH (default builtin)")
-    data.add_argument("--nsamples", type=int, help="calibration windows (default 16)")
-    data.add_argument("--seqlen", type=int, help="tokens per window (default 256)")
+    data.add_argument("--nsamples", type=int, help=f"calibration windows (default {JobConfig.nsamples})")
+    data.add_argument("--seqlen", type=int, help=f"tokens per window (default {JobConfig.seqlen})")
     data.add_argument(
         "--calib-shards", type=int, default=1,
         help="split the calibration (and held-out) windows into this many contiguous shards of whole batches whose "
@@ -316,7 +316,9 @@ def _add_prune_options(p: argparse.ArgumentParser) -> None:
         help=f"held-out calibration windows for --guard and the report (default {DEFAULT_HOLDOUT})",
     )
     data.add_argument("--eval", help="perplexity text: builtin | c4 | wikitext | PATH | none (default builtin)")
-    data.add_argument("--eval-windows", type=int, help="at most this many evaluation windows (default 32)")
+    data.add_argument(
+        "--eval-windows", type=int, help=f"at most this many evaluation windows (default {JobConfig.eval_windows})"
+    )
     data.add_argument("--no-eval-warmstart", action="store_true", help="skip the start mask's perplexity")
 
     run = p.add_argument_group("run")

@@ -37,7 +37,7 @@ __all__ = [
     "step_lr", "tune_block",
 ]  # fmt: skip
 
-BLOCK_TUNE_EPOCHS = 10  # the default of PruneOptions.block_tune_epochs and of sparseswaps prune --block-tune-epochs
+BLOCK_TUNE_EPOCHS = 3  # the default of PruneOptions.block_tune_epochs and of sparseswaps prune --block-tune-epochs
 BLOCK_TUNE_LR = 1e-3  # the default of PruneOptions.block_tune_lr and of --block-tune-lr
 BLOCK_TUNE_SCHEDULE = "constant"  # the default of PruneOptions.block_tune_schedule and of --block-tune-schedule
 SCHEDULES = ("constant", "cosine")

@@ -129,7 +129,7 @@ def test_admm_alps_preset_on_a_tiny_model(compare, tmp_path, capsys):
         "admm/layer -> none -> start weights",
         "alps/layer -> none -> start weights",
         "sparsegpt/layer -> none -> obs",
-        "wanda -> sparseswaps T=3 -> ls -> block tune 10",
+        "wanda -> sparseswaps T=3 -> ls -> block tune 3",
         "admm -> sparseswaps T=3 -> ls",
         "alps -> sparseswaps T=3 -> ls",
         "alps -> none -> ls",
@@ -175,7 +175,7 @@ def test_rows_of_another_spec_are_not_read(compare, tmp_path, capsys):
 def test_block_tuning_settings_are_pipeline_options(compare, common):
     default = common.setting_options(compare.parse_setting("default"), "60%", 10)
     assert default == PruneOptions()
-    assert common.options_label(default) == "wanda -> sparseswaps T=10 -> ls -> block tune 10"
+    assert common.options_label(default) == "wanda -> sparseswaps T=10 -> ls -> block tune 3"
     tuned = common.setting_options(compare.parse_setting("refine=none,tune=5,tune_lr=0.003"), "60%", 25)
     assert (tuned.block_tune_epochs, tuned.block_tune_lr) == (5, 0.003)
     assert common.options_label(tuned) == "wanda -> none -> ls -> block tune 5 lr 0.003"

@@ -85,7 +85,7 @@ def test_cli_and_python_defaults_build_the_same_job():
     assert cosine == JobConfig(prune=PruneOptions(block_tune_schedule="cosine"))
     with pytest.raises(SystemExit):
         build_parser().parse_args(["prune", "--out", "x", "--block-tune-schedule", "linear"])
-    assert PruneOptions().block_tune_epochs == BLOCK_TUNE_EPOCHS == 10  # block tuning is part of the default
+    assert PruneOptions().block_tune_epochs == BLOCK_TUNE_EPOCHS == 3  # block tuning is part of the default
     assert main(["prune", "--block-tune-epochs", "-1", "--out", "x"]) == 2
 
 
