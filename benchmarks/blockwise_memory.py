@@ -70,11 +70,11 @@ def calibration(args: argparse.Namespace) -> torch.Tensor:
 
 
 def options(args: argparse.Namespace):
-    from sparseswaps_prune.core.spec import build_spec
+    from sparseswaps_prune.core.spec import SPARSESWAPS_SPEC, build_spec
     from sparseswaps_prune.llm.pipeline import PruneOptions
 
     include = None if args.all_layers else args.include
-    spec = build_spec(max_iters=args.max_iters, weights="keep")
+    spec = build_spec(SPARSESWAPS_SPEC, max_iters=args.max_iters, weights="keep")
     return PruneOptions(spec=spec, include=include, row_shards=args.row_shards, block_tune_epochs=0)
 
 

@@ -19,7 +19,7 @@ from sparseswaps_prune.core.backends.gram_gather import gather_gram
 from sparseswaps_prune.core.gram import GramAccumulator
 from sparseswaps_prune.core.refine import Figures
 from sparseswaps_prune.core.refit import REFIT_DAMP, factor_kept
-from sparseswaps_prune.core.spec import DEFAULT_SPEC, DSnoTRefine, PruneSpec, SwapRefine, build_spec
+from sparseswaps_prune.core.spec import RECIPES, DSnoTRefine, PruneSpec, SwapRefine, build_spec
 from sparseswaps_prune.core.warmstart import warmstart_mask
 from sparseswaps_prune.llm.block_tune import BLOCK_TUNE_EPOCHS, BLOCK_TUNE_LR, BLOCK_TUNE_SCHEDULE
 from sparseswaps_prune.llm.data import load_calibration
@@ -224,8 +224,20 @@ def capture_grams(blocks: list[int], small: int, large: int, holdout: int, seqle
     return weights, grams
 
 
-# setting option (--extra) -> parser of its value (the build_spec options, dsnot_skip, and the pipeline's)
+SETTING_BASE = "sparseswaps"
+"""The recipe a setting's options change unless it names one (``recipe=...``): ``RECIPES["sparseswaps"]`` (Wanda,
+SparseSwaps T=10, least-squares re-fit), the spec every setting of RESULTS.md was written against."""
+
+
+def _recipe(name: str) -> str:
+    if name not in RECIPES:
+        raise ValueError(name)
+    return name
+
+
+# setting option (--extra) -> parser of its value (the recipe, the build_spec options, dsnot_skip, the pipeline's)
 _OPTION_TYPES: dict[str, Callable[[str], Any]] = {
+    "recipe": _recipe,
     "start": str,
     "start_damp": float,
     "scope": str,
@@ -258,11 +270,13 @@ _WEIGHT_NAMES = {"start": "start weights", "admm_update": "admm update", "alps_u
 
 def parse_setting(text: str) -> dict[str, Any]:
     """``"start=admm,refine=none,max_iters=5"`` -> ``{"start": "admm", "refine": "none", "max_iters": 5}``;
-    ``""`` -> ``{}`` (DEFAULT_SPEC without block tuning); ``"default"`` -> ``{"tune": BLOCK_TUNE_EPOCHS}``: the CLI's
-    default, DEFAULT_SPEC with its block tuning (``PruneOptions()``)."""
+    ``""`` -> ``{}`` (:data:`SETTING_BASE`'s recipe, without block tuning); ``"recipe=alps"`` -> ``{"recipe":
+    "alps"}`` (that recipe's spec as the base); ``"default"`` -> ``{"recipe": "default", "tune":
+    BLOCK_TUNE_EPOCHS}``: the CLI's default, DEFAULT_SPEC with its block tuning (``PruneOptions()``)."""
     setting: dict[str, Any] = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
         if item == "default":
+            setting.setdefault("recipe", "default")
             setting.setdefault("tune", BLOCK_TUNE_EPOCHS)
             continue
         key, sep, value = item.partition("=")
@@ -289,8 +303,9 @@ def layer_setting(text: str) -> dict[str, Any]:
 
 
 def setting_spec(setting: dict[str, Any], pattern: str, max_iters: int) -> PruneSpec:
-    """The spec of one setting at one pattern: ``DEFAULT_SPEC`` with the pattern's budget, then ``setting``'s
-    options (``scope="layer"`` dropped at N:M), then T=``max_iters`` unless the setting gives ``max_iters``."""
+    """The spec of one setting at one pattern: its recipe (``RECIPES[setting["recipe"]]``, default
+    :data:`SETTING_BASE`'s) with the pattern's budget (N:M selects per row), then ``setting``'s other options
+    (``scope="layer"`` dropped at N:M), then T=``max_iters`` unless the setting gives ``max_iters`` or a recipe."""
     pipeline = sorted(setting.keys() & _PIPELINE_OPTIONS.keys())
     if pipeline:
         raise ValueError(
@@ -300,10 +315,11 @@ def setting_spec(setting: dict[str, Any], pattern: str, max_iters: int) -> Prune
     budget = pattern_options(pattern)
     options = dict(setting)
     skip = options.pop("dsnot_skip", "unset")
+    recipe = options.pop("recipe", None)
     if budget["nm"] is not None and options.get("scope") == "layer":
         del options["scope"]
-    spec = build_spec(build_spec(DEFAULT_SPEC, **budget, scope="row"), **options)
-    if isinstance(spec.refine, SwapRefine) and "max_iters" not in options:
+    spec = build_spec(build_spec(RECIPES[recipe or SETTING_BASE], **budget), **options)
+    if isinstance(spec.refine, SwapRefine) and "max_iters" not in options and recipe is None:
         spec = dataclasses.replace(spec, refine=dataclasses.replace(spec.refine, max_iters=max_iters))
     if skip != "unset":
         if not isinstance(spec.refine, DSnoTRefine):

@@ -19,12 +19,13 @@ table (and draws the plot) at once.
 
 Settings. A matrix row is ``build_spec(start=S, refine=R, weights=--weights)`` at the pattern (T=``--max-iters``
 for SparseSwaps). An ``--extra`` setting is a comma-separated list of
-:func:`~sparseswaps_prune.core.spec.build_spec` options applied on top of
-:data:`~sparseswaps_prune.core.spec.DEFAULT_SPEC` at the pattern (Wanda start, SparseSwaps T=``--max-iters``
-under the mask objective, least-squares re-fit with ADMM's ridge ``G + 0.1 diag(G)``): ``start``,
+:func:`~sparseswaps_prune.core.spec.build_spec` options applied on top of SparseSwaps' own spec
+(``SPARSESWAPS_SPEC``) at the pattern (Wanda start, SparseSwaps T=``--max-iters`` under the mask objective,
+least-squares re-fit with ADMM's ridge ``G + 0.1 diag(G)``), or on top of the recipe ``recipe=NAME`` names: ``start``,
 ``start_damp``, ``scope``, ``refine``, ``max_iters``, ``eps``, ``objective``, ``search_dtype``, ``backend``,
 ``weights``, ``damp``, ``ridge``, ``guard`` (``true``/``false``), plus ``dsnot_skip`` (``DSnoTRefine.skip``; ``none``:
-refine every layer). ``default`` (or an empty string) is DEFAULT_SPEC itself. The budget comes from
+refine every layer). ``default`` is :data:`~sparseswaps_prune.core.spec.DEFAULT_SPEC` with the CLI's block tuning
+(what ``sparseswaps prune`` runs); an empty string is SparseSwaps' spec untuned. The budget comes from
 ``--patterns``; ``scope=layer`` is dropped at N:M patterns (N:M fixes every row's count, so layer-wise methods
 select per row there). Examples: ``start=admm,scope=layer,refine=none,weights=start`` (ADMM as published),
 ``start=sparsegpt,scope=layer,refine=none,weights=obs`` (SparseGPT as published), ``refine=none`` (Wanda +
@@ -76,8 +77,8 @@ from common import options_label, parse_setting, setting_options
 
 from sparseswaps_prune.atomic import atomic_write, save_json
 from sparseswaps_prune.core.spec import (
-    DEFAULT_SPEC,
     REFINES,
+    SPARSESWAPS_SPEC,
     STARTS,
     WEIGHTS,
 )
@@ -93,7 +94,8 @@ PRESETS: dict[str, list[str]] = {
         "start=admm,scope=layer,refine=none,weights=start",  # ADMM as published (Boza 2024)
         "start=alps,scope=layer,refine=none,weights=start",  # ALPS as published (Meng et al. 2024)
         "start=sparsegpt,scope=layer,refine=none,weights=obs",  # SparseGPT as published
-        "default",  # the current default: wanda -> sparseswaps T=10 -> ls -> block tune 3
+        "default",  # the current default: alps/layer -> none -> start weights -> block tune 3
+        "tune=3",  # SparseSwaps' own spec, tuned like the default: wanda -> sparseswaps -> ls -> block tune 3
         "start=admm",  # admm -> sparseswaps T=10 (mask objective) -> ls
         "start=alps",  # alps -> sparseswaps T=10 -> ls
         "start=alps,refine=none",  # alps -> none -> ls
@@ -205,8 +207,9 @@ def main(
     parser.add_argument(
         "--max-iters",
         type=int,
-        default=DEFAULT_SPEC.refine.max_iters,
-        help=f"SparseSwaps T unless a setting gives max_iters (default {DEFAULT_SPEC.refine.max_iters}, the default's)",
+        default=SPARSESWAPS_SPEC.refine.max_iters,
+        help="SparseSwaps T unless a setting gives max_iters or a recipe (default "
+        f"{SPARSESWAPS_SPEC.refine.max_iters}, the sparseswaps recipe's)",
     )
     parser.add_argument("--nsamples", type=int, default=JobConfig.nsamples, help="calibration windows (the job's)")
     parser.add_argument("--holdout", type=int, default=JobConfig.holdout, help="held-out calibration windows")

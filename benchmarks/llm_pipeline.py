@@ -1,10 +1,10 @@
 """The full sequential pipeline (``prune_model``) end to end: time per block and in total, peak memory, per T.
 
 One ``prune_model`` run per ``T`` in ``--iters`` (Wanda start, 60% per row by default; SparseSwaps masks only, the
-kept weights as they are: ``build_spec(start=..., max_iters=T, weights="keep")``; with ``--objective refit`` the
-swaps are chosen under the re-fit objective and the layer keeps the re-fitted weights they yield, ``weights="ls",
-guard=False``), each from the same dense weights (restored between runs), on random calibration token ids
-drawn with a fixed seed:
+kept weights as they are: ``build_spec(SPARSESWAPS_SPEC, start=..., max_iters=T, weights="keep")``; with
+``--objective refit`` the swaps are chosen under the re-fit objective and the layer keeps the re-fitted weights
+they yield, ``weights="ls", guard=False``), each from the same dense weights (restored between runs), on random
+calibration token ids drawn with a fixed seed:
 
 * ``--model llama-3.1-8b`` (or ``llama-3.1-70b``): the LLaMA-3.1 architecture built from its config with
   random weights (no download). ``--blocks K`` builds only the first K decoder blocks; the full-model time
@@ -51,7 +51,7 @@ from torch import nn
 from sparseswaps_prune.core.backends import resolve_backend
 from sparseswaps_prune.core.layer import prune_layer
 from sparseswaps_prune.core.refine import ROW_BATCH_ELEMENTS
-from sparseswaps_prune.core.spec import SCORES, build_spec
+from sparseswaps_prune.core.spec import SCORES, SPARSESWAPS_SPEC, build_spec
 from sparseswaps_prune.llm import pipeline
 from sparseswaps_prune.llm.layers import find_blocks
 from sparseswaps_prune.llm.pipeline import PruneOptions, finalize, prune_model
@@ -278,7 +278,7 @@ def warm_up(device: torch.device, nm: tuple[int, int] | None) -> None:
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(256, 64, generator=gen)
     weight, gram = torch.randn(16, 64, generator=gen).to(device), (x.T @ x).to(device)
-    spec = build_spec(sparsity=None if nm else 0.5, nm=nm, start="wanda", max_iters=2, weights="keep")
+    spec = build_spec(SPARSESWAPS_SPEC, sparsity=None if nm else 0.5, nm=nm, start="wanda", max_iters=2, weights="keep")
     prune_layer(weight, gram, spec, device=device)
     _sync(device)
 
@@ -631,7 +631,13 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         # the re-fit objective yields its re-fitted weights itself (weights="ls"; no held-out windows: unguarded)
         weights = {"weights": "ls", "guard": False} if args.objective == "refit" else {"weights": "keep"}
         spec = build_spec(
-            start=args.start, sparsity=sparsity, nm=nm, max_iters=iters, objective=args.objective, **weights
+            SPARSESWAPS_SPEC,
+            start=args.start,
+            sparsity=sparsity,
+            nm=nm,
+            max_iters=iters,
+            objective=args.objective,
+            **weights,
         )
         options = PruneOptions(spec=spec, block_tune_epochs=args.block_tune_epochs)
         rows.append(run_once(model, tokens, options, device, args.batch_size, full_blocks))

@@ -37,9 +37,9 @@ def main(argv: list[str]) -> None:
     windows = load_calibration("builtin", tokenizer, 16, 256, seed=0, holdout=8)
     include = [f"model.layers.{i}.*" for i in range(n_blocks)]
     if "spec" in inspect.signature(pipeline.PruneOptions).parameters:
-        from sparseswaps_prune.core.spec import build_spec
+        from sparseswaps_prune.core.spec import PruneSpec, build_spec
 
-        spec = build_spec(ridge="mean", guard=True) if mode == "olddefault" else build_spec()
+        spec = build_spec(PruneSpec(), ridge="mean", guard=True) if mode == "olddefault" else build_spec()
         options = pipeline.PruneOptions(spec=spec, include=include)
     elif mode == "olddefault":  # before the typed spec (2026-11-23)
         options = pipeline.PruneOptions(max_iters=25, refit="ls", holdout_guard=True, include=include)

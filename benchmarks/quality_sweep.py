@@ -2,8 +2,8 @@
 
 Prunes the packaged SmolLM2-135M-Instruct from its dense weights once per (pattern, T) with the main job's
 setting (built-in corpus, Wanda start, 16 x 256 calibration tokens, 32 x 256 evaluation tokens, sequential
-block-wise) and SparseSwaps masks only, the kept weights as they are
-(``build_spec(start=--start, sparsity/nm=pattern, max_iters=T, weights="keep")``), and prints a Markdown table:
+block-wise) and SparseSwaps masks only, the kept weights as they are (``build_spec(SPARSESWAPS_SPEC,
+start=--start, sparsity/nm=pattern, max_iters=T, weights="keep")``), and prints a Markdown table:
 summed per-layer loss of the refined mask, relative reduction over the start mask, mean per-layer reduction (the
 paper's "error reduction"), held-out perplexity, swaps, the last iteration any layer ran ("last iteration"; below T
 means every row converged) and time (the layers' pruning time, ``totals()["seconds"]``).
@@ -32,7 +32,7 @@ import torch
 from common import pattern_options
 
 from sparseswaps_prune.atomic import atomic_write, save_json
-from sparseswaps_prune.core.spec import SCORES, build_spec
+from sparseswaps_prune.core.spec import SCORES, SPARSESWAPS_SPEC, build_spec
 from sparseswaps_prune.llm.data import load_calibration, load_eval_tokens
 from sparseswaps_prune.llm.experiment import Experiment
 from sparseswaps_prune.llm.models import load_model
@@ -97,7 +97,9 @@ def main() -> None:
                 if args.report_only:
                     continue
                 start = time.perf_counter()
-                spec = build_spec(start=args.start, max_iters=iters, weights="keep", **pattern_options(pattern))
+                spec = build_spec(
+                    SPARSESWAPS_SPEC, start=args.start, max_iters=iters, weights="keep", **pattern_options(pattern)
+                )
                 row = exp().run(PruneOptions(spec=spec))
                 save_json({**row, "iters": iters, "seconds_wall": time.perf_counter() - start}, path)
             row = json.loads(path.read_text())

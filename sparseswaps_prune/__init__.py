@@ -5,13 +5,14 @@ from sparseswaps_prune.core.layer import LayerOutcome, prune_layer
 from sparseswaps_prune.core.losses import row_losses
 from sparseswaps_prune.core.refine import RefineResult, refine_mask
 from sparseswaps_prune.core.refit import refit_weights
-from sparseswaps_prune.core.spec import DEFAULT_SPEC, RECIPES, PruneSpec, build_spec
+from sparseswaps_prune.core.spec import DEFAULT_SPEC, RECIPES, SPARSESWAPS_SPEC, PruneSpec, build_spec
 from sparseswaps_prune.core.warmstart import warmstart_mask
 from sparseswaps_prune.prune import SparseSwapsMethod, sparseswaps_unstructured
 
 __all__ = [
     "DEFAULT_SPEC",
     "RECIPES",
+    "SPARSESWAPS_SPEC",
     "GramAccumulator",
     "LayerOutcome",
     "PruneSpec",

@@ -27,6 +27,8 @@ from sparseswaps_prune.core.spec import (
     SEARCH_BACKENDS,
     STARTS,
     WEIGHTS,
+    LeastSquares,
+    SwapRefine,
     build_spec,
 )
 from sparseswaps_prune.llm.block_tune import BLOCK_TUNE_EPOCHS, BLOCK_TUNE_LR, BLOCK_TUNE_SCHEDULE, SCHEDULES
@@ -198,12 +200,14 @@ def _add_prune_options(p: argparse.ArgumentParser) -> None:
     shown in the help) so that only the given ones change the default spec."""
     from sparseswaps_prune.llm.job import DEFAULT_HOLDOUT, JobConfig
 
-    spec = DEFAULT_SPEC
+    spec, swaps = DEFAULT_SPEC, SwapRefine()
     p.add_argument(
         "--recipe", choices=tuple(RECIPES),
-        help="start from a named spec, which the options below change (default: default; the defaults shown below are "
-        "its): alps-swaps (ALPS, then swaps under the re-fit objective and the re-fit: the best measured, several "
-        "times slower), paper (the paper's SparseSwaps, masks only), and the published wanda, sparsegpt, admm, alps",
+        help="start from a named spec, which the options below change (default: default, ALPS's mask and weights, then "
+        "block tuning; the defaults shown below are its): sparseswaps (Wanda, SparseSwaps T=10, least-squares re-fit: "
+        "the spec the SparseSwaps options below refine), alps-swaps (ALPS, then swaps under the re-fit objective and "
+        "the re-fit: the lowest layer loss measured, several times slower), paper (the paper's SparseSwaps, masks "
+        "only), and the published wanda, sparsegpt, admm, alps",
     )  # fmt: skip
     budget = p.add_argument_group("budget")
     pattern = budget.add_mutually_exclusive_group()
@@ -232,17 +236,15 @@ def _add_prune_options(p: argparse.ArgumentParser) -> None:
         help="the start's own ridge for --start sparsegpt|admm|alps (defaults 0.01, 0.1, 0.01: the originals')",
     )
 
-    refine = p.add_argument_group("refine (the mask)")
+    refine = p.add_argument_group("refine (the mask; the SparseSwaps defaults are --recipe sparseswaps's)")
     refine.add_argument("--refine", choices=REFINES, help=f"mask refinement (default {spec.refine.name})")
-    refine.add_argument(
-        "--max-iters", type=int, help=f"SparseSwaps iterations T per layer (default {spec.refine.max_iters})"
-    )
-    refine.add_argument("--eps", type=float, help=f"SparseSwaps: minimum gain of a swap (default {spec.refine.eps})")
+    refine.add_argument("--max-iters", type=int, help=f"SparseSwaps iterations T per layer (default {swaps.max_iters})")
+    refine.add_argument("--eps", type=float, help=f"SparseSwaps: minimum gain of a swap (default {swaps.eps})")
     refine.add_argument(
         "--objective",
         choices=OBJECTIVES,
         help=f"SparseSwaps: judge swaps with the kept weights as they are, or re-fitted (refit needs --weights ls) "
-        f"(default {spec.refine.objective})",
+        f"(default {swaps.objective})",
     )
     refine.add_argument(
         "--search-dtype", choices=("float32", "float64"), help="SparseSwaps search dtype (default float32)"
@@ -272,7 +274,7 @@ def _add_prune_options(p: argparse.ArgumentParser) -> None:
         "--ridge",
         choices=("mean", "diag"),
         help="ls/cg: mean = ridge damp*mean(diag G) towards zero; diag = least squares on G + damp*diag(G), "
-        f"towards the dense weights (the problem ADMM's update solves) (default {spec.weights.ridge})",
+        f"towards the dense weights (the problem ADMM's update solves) (default {LeastSquares().ridge})",
     )
     weights.add_argument(
         "--guard",

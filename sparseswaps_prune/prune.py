@@ -24,8 +24,9 @@ class SparseSwapsMethod(prune.BasePruningMethod):
     method; every tensor is pruned by :func:`~sparseswaps_prune.core.layer.prune_layer`.
 
     Args:
-        amount: fraction of each row's currently unpruned weights to prune, in ``[0, 1)`` (the spec's
-            ``sparsity``); exclusive with ``nm``.
+        amount: fraction of each layer's (the default spec's ``scope="layer"``) or each row's currently unpruned
+            weights to prune, in ``[0, 1)`` (the spec's ``sparsity``); exclusive with ``nm``. Pruning an already
+            pruned tensor again needs a score start (e.g. ``spec=SPARSESWAPS_SPEC``).
         grams: one ``[d_in, d_in]`` Gram matrix per pruned tensor, in parameter order.
         tensors: the ``(module, name)`` pairs being pruned, in the same order (as given to
             ``global_unstructured``). Gives each layer its 2-D shape and existing mask, and is where updated
@@ -37,7 +38,8 @@ class SparseSwapsMethod(prune.BasePruningMethod):
             (``GramAccumulator(track_sum=True).feature_stats(n_samples=...)``); needed by ``refine="dsnot"``
             only.
         spec: the per-layer :class:`~sparseswaps_prune.core.spec.PruneSpec` (default
-            :data:`~sparseswaps_prune.core.spec.DEFAULT_SPEC`: Wanda, SparseSwaps T=10, least-squares re-fit).
+            :data:`~sparseswaps_prune.core.spec.DEFAULT_SPEC`: ALPS's mask and weights; ``SPARSESWAPS_SPEC``:
+            Wanda, SparseSwaps T=10, least-squares re-fit).
         **options: flat options changing ``spec`` (:func:`~sparseswaps_prune.core.spec.build_spec`): ``nm``,
             ``scope``, ``start``, ``refine``, ``max_iters``, ``eps``, ``objective``, ``search_dtype``, ``backend``,
             ``weights`` (``"keep"`` for the paper's mask-only SparseSwaps), ``damp``, ``guard``, ``ridge``,
@@ -49,7 +51,9 @@ class SparseSwapsMethod(prune.BasePruningMethod):
     Example:
         >>> params = [(model.fc1, "weight"), (model.fc2, "weight")]
         >>> prune.global_unstructured(params, pruning_method=SparseSwapsMethod, amount=0.6,
-        ...                           tensors=params, grams=[g1, g2], start="wanda")
+        ...                           tensors=params, grams=[g1, g2])  # ALPS's masks and weights
+        >>> prune.global_unstructured(params, pruning_method=SparseSwapsMethod, amount=0.6, tensors=params,
+        ...                           grams=[g1, g2], spec=SPARSESWAPS_SPEC, max_iters=25)  # Wanda + swaps
     """
 
     PRUNING_TYPE = "unstructured"
@@ -192,22 +196,23 @@ def sparseswaps_unstructured(
     spec: PruneSpec = DEFAULT_SPEC,
     **options,
 ) -> nn.Module:
-    """Prune ``module.<name>`` with one layer-wise spec (default: Wanda, SparseSwaps, least-squares re-fit), like
+    """Prune ``module.<name>`` with one layer-wise spec (default: ALPS's mask and weights), like
     ``prune.l1_unstructured``.
 
     Adds ``<name>_orig`` and ``<name>_mask`` to ``module`` (in place) and returns it; updated weights land in
     ``<name>_orig``. If the tensor is already pruned, the new mask prunes ``amount`` of each row's remaining
-    weights and is combined with the existing one. On bad input (wrong Gram size, NaN, bad ``amount``/``nm``/
-    option) raises before touching ``module``.
+    weights and is combined with the existing one (score starts only, e.g. ``spec=SPARSESWAPS_SPEC``). On bad
+    input (wrong Gram size, NaN, bad ``amount``/``nm``/option) raises before touching ``module``.
 
     Args:
         module: module holding a 2-D weight ``[d_out, d_in]`` (e.g. ``nn.Linear``).
         name: parameter name.
-        amount: fraction of each row's unpruned weights to prune, in ``[0, 1)``; exclusive with ``nm``.
+        amount: fraction of the layer's (default spec) or each row's unpruned weights to prune, in ``[0, 1)``;
+            exclusive with ``nm``.
         gram: ``[d_in, d_in]`` Gram matrix of the module's inputs.
         feature_stats: ``(mean, var, sq_mean)`` of the module's inputs, for ``refine="dsnot"`` only.
-        spec, **options: as :class:`SparseSwapsMethod` (e.g. ``weights="keep"``, ``max_iters=100``,
-            ``nm=(2, 4)``).
+        spec, **options: as :class:`SparseSwapsMethod` (e.g. ``nm=(2, 4)``, or
+            ``spec=SPARSESWAPS_SPEC, max_iters=100``).
 
     Example:
         >>> sparseswaps_unstructured(layer, "weight", amount=0.6, gram=acc.gram)

@@ -25,8 +25,11 @@ def test_torch_prune_api(monkeypatch, capsys):
     assert "final loss" in out and "after prune.remove:" in out
 
 
-def test_prune_hf_model(monkeypatch, capsys, tmp_path):
-    args = ["--out", str(tmp_path / "out"), "--max-iters", "5", "--nsamples", "2", "--seqlen", "32"]
+@pytest.mark.parametrize(
+    "recipe", [[], ["--recipe", "sparseswaps", "--max-iters", "5"]], ids=["default", "sparseswaps"]
+)
+def test_prune_hf_model(monkeypatch, capsys, tmp_path, recipe):
+    args = ["--out", str(tmp_path / "out"), *recipe, "--nsamples", "2", "--seqlen", "32"]
     run_example("prune_hf_model.py", [*args, "--eval-windows", "2"], monkeypatch)
     out = capsys.readouterr().out
     assert "summed layer loss (calibration): start" in out and "perplexity: dense" in out

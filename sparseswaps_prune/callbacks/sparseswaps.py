@@ -149,24 +149,28 @@ class SparseSwapsPruning(pl.Callback):
 
     At the chosen moment (``when``) the callback runs ``calibration_batches`` batches through the module under
     ``torch.no_grad()``, accumulates each selected layer's input Gram matrix ``G = sum_t x_t x_t^T`` with
-    temporary forward pre-hooks, computes a mask per layer (a ``warmstart`` mask, then exact loss-decreasing
-    1-swaps per row against ``G``, keeping each row's kept count) and installs it as the standard
+    temporary forward pre-hooks, computes a mask and weights per layer with ``spec`` (by default ALPS's; with
+    ``spec=SPARSESWAPS_SPEC`` a Wanda mask refined by exact loss-decreasing 1-swaps per row against ``G``,
+    then the least-squares re-fit) and installs it as the standard
     ``torch.nn.utils.prune`` reparametrization (``weight_orig`` parameter, ``weight_mask`` buffer): the weight
     is recomputed as ``weight_orig * weight_mask`` on every forward, so pruned weights stay exactly zero
     while training goes on, and both tensors are saved in checkpoints.
 
     Compared with Lightning's own ``ModelPruning`` (magnitude/random/``ln`` criteria on the weights alone),
     this adds a calibration pass, data-aware masks that minimise each layer's output reconstruction error
-    ``||(W - M*W) X||^2`` exactly by 1-swaps, per-row budgets and N:M semi-structured sparsity. Migration:
+    ``||(W - M*W) X||^2`` (ALPS's, or exactly by 1-swaps), weights that compensate, per-row budgets and N:M
+    semi-structured sparsity. Migration:
     ``ModelPruning("l1_unstructured", amount=0.6)`` -> ``SparseSwapsPruning(sparsity=0.6)``.
 
     Args:
-        sparsity: fraction of each row's weights pruned, in ``[0, 1)``; exclusive with ``nm`` (changes the
-            budget of ``spec``; default: the spec's, 0.6 for the default spec).
+        sparsity: fraction of each layer's (``scope="layer"``, the default spec's) or each row's weights pruned, in
+            ``[0, 1)``; exclusive with ``nm`` (changes the budget of ``spec``; default: the spec's, 0.6 for the
+            default spec).
         nm: ``(n, m)``: keep ``n`` of every ``m`` consecutive inputs of each row (e.g. ``(2, 4)``).
         spec: how each layer is pruned (:class:`~sparseswaps_prune.core.spec.PruneSpec`; default
-            :data:`~sparseswaps_prune.core.spec.DEFAULT_SPEC`: Wanda start, SparseSwaps T=10, least-squares
-            re-fit of the kept weights, which land in ``weight_orig`` so training continues from them). Build
+            :data:`~sparseswaps_prune.core.spec.DEFAULT_SPEC`: ALPS's mask and weights, which land in
+            ``weight_orig`` so training continues from them; ``SPARSESWAPS_SPEC``: Wanda start,
+            SparseSwaps T=10, least-squares re-fit). Build
             others with :func:`~sparseswaps_prune.core.spec.build_spec`, or change it with ``**options``.
         calibration_batches: batches taken from the calibration dataloader (>= 1).
         include, exclude: fnmatch patterns on qualified module names (as in ``named_modules()``); default:

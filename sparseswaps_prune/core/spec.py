@@ -15,11 +15,14 @@ budget, and rejects combinations that mean nothing when it is built:
   loss).
 
 :data:`DEFAULT_SPEC` is what ``sparseswaps prune`` runs, and what :func:`~sparseswaps_prune.llm.job.run_job`, the
-torch prune method and the Lightning callback run when given no spec. :func:`build_spec` maps the flat option
-names that the CLI, the prune method and the callback share onto the stages.
+torch prune method and the Lightning callback run when given no spec: ALPS's mask and weights, which the pipeline
+then tunes block by block. ``PruneSpec()`` with no arguments is SparseSwaps' own spec (Wanda, SparseSwaps T=10,
+least-squares re-fit; :data:`SPARSESWAPS_SPEC`). :func:`build_spec` maps the flat option names that the CLI,
+the prune method and the callback share onto the stages.
 
 Example:
-    >>> spec = build_spec(nm=(2, 4), max_iters=50)          # the default spec, 2:4, T=50
+    >>> spec = build_spec(nm=(2, 4))                        # the default spec (ALPS), 2:4
+    >>> spec = build_spec(SPARSESWAPS_SPEC, max_iters=50)   # Wanda -> SparseSwaps T=50 -> re-fit
     >>> spec = PruneSpec(budget=Budget(sparsity=0.5), start=SparseGPTStart(), refine=NoRefine(),
     ...                  weights=OBSUpdate())                  # SparseGPT as published (with scope="layer")
 """
@@ -426,7 +429,9 @@ _STAGES: dict[str, tuple[type, ...]] = {
 
 @dataclass(frozen=True)
 class PruneSpec:
-    """How one layer is pruned: budget, start, refine, weights (see the module docstring).
+    """How one layer is pruned: budget, start, refine, weights (see the module docstring). With no arguments:
+    SparseSwaps' own spec, 60% per row, Wanda start, SparseSwaps T=10 (mask objective), least-squares re-fit on
+    ``G + 0.1 * diag(G)`` (:data:`SPARSESWAPS_SPEC`; :data:`DEFAULT_SPEC` is ALPS's).
 
     Raises ``TypeError``/``ValueError`` naming the stage and the fix when built with a stage of the wrong type or
     a combination that means nothing (e.g. ``SwapRefine(objective="refit")`` without ``LeastSquares`` weights).
@@ -458,7 +463,8 @@ class PruneSpec:
             if not isinstance(self.start, WEIGHT_STARTS):
                 raise ValueError(
                     f"weights=StartWeights keeps the weights the start computed, but start {self.start.name!r} "
-                    "computes none; use start='sparsegpt', 'admm' or 'alps', or another weight stage"
+                    "computes none; use start='sparsegpt', 'admm' or 'alps', or another weight stage (e.g. "
+                    "weights='ls'; SPARSESWAPS_SPEC, CLI --recipe sparseswaps: Wanda -> SparseSwaps -> re-fit)"
                 )
             if not isinstance(refine, NoRefine):
                 raise ValueError(
@@ -549,14 +555,24 @@ class PruneSpec:
         return f"{head}: {self.start.name} -> {refine} -> {weights}"
 
 
-DEFAULT_SPEC = PruneSpec()
-"""The default: 60% per row, Wanda start, SparseSwaps T=10 (mask objective), least-squares re-fit on
-``G + 0.1 * diag(G)`` (ADMM's ridge). With the pipeline's block tuning after it (``PruneOptions``), the best
-combination measured within the main job's 10-minute CPU budget (RESULTS.md)."""
+DEFAULT_SPEC = PruneSpec(
+    budget=Budget(sparsity=0.6, scope="layer"), start=ALPSStart(), refine=NoRefine(), weights=StartWeights()
+)
+"""The default: 60% per layer, ALPS's mask and weights (Meng et al. 2024, ``core.alps.alps_prune``; with ``nm`` a
+per-row N:M selection). With the pipeline's block tuning after it (``PruneOptions``: 3 epochs at 48 calibration
+windows), the best combination measured within the main job's 10-minute CPU budget, at 60%, 70% and 2:4 (RESULTS.md
+"The default since 2026-11-27"). Without block tuning it is ALPS as published (the ``alps`` recipe)."""
+
+
+SPARSESWAPS_SPEC = PruneSpec()
+"""SparseSwaps' own spec (the default until 2026-11-27; ``--recipe sparseswaps``): 60% per row, Wanda's mask, 10
+iterations of exact 1-swaps within rows (mask objective), then the least-squares re-fit on ``G + 0.1 * diag(G)``
+(ADMM's ridge). The base to change with SparseSwaps options, e.g. ``build_spec(SPARSESWAPS_SPEC, max_iters=25)``."""
 
 
 RECIPES: dict[str, PruneSpec] = {
     "default": DEFAULT_SPEC,
+    "sparseswaps": SPARSESWAPS_SPEC,
     # ALPS's layer-wise mask and weights, then swaps within rows under the re-fit objective (each accepted swap
     # lowers the row's loss after its exact diag-ridge re-fit), then that re-fit: the lowest held-out layer loss
     # measured (RESULTS.md), at several times the default's cost.
@@ -577,9 +593,12 @@ RECIPES: dict[str, PruneSpec] = {
         budget=Budget(sparsity=0.6, scope="layer"), start=ALPSStart(), refine=NoRefine(), weights=StartWeights()
     ),
 }
-"""Named specs (``--recipe``), 60% unless changed: ``default`` (:data:`DEFAULT_SPEC`), ``alps-swaps`` (the best
-measured combination), ``paper`` (the paper's SparseSwaps: Wanda, T=100, masks only), and the published baselines
-``wanda``, ``sparsegpt``, ``admm`` and ``alps`` (layer-wise selection, their own weights). Any option changes them
+"""Named specs (``--recipe``), 60% unless changed: ``default`` (:data:`DEFAULT_SPEC`, ALPS's solution),
+``sparseswaps`` (:data:`SPARSESWAPS_SPEC`: Wanda, SparseSwaps T=10, least-squares re-fit), ``alps-swaps`` (ALPS,
+then exact swaps under the re-fit objective: the lowest layer loss measured), ``paper`` (the paper's SparseSwaps:
+Wanda, T=100, masks only), and the published baselines ``wanda``, ``sparsegpt``, ``admm`` and ``alps`` (layer-wise
+selection, their own weights; ``alps`` has the default's spec, and the pipeline runs the published recipes without
+block tuning). Any option changes them
 through :func:`build_spec`, e.g. ``build_spec(RECIPES["alps"], sparsity=0.7)``; with ``nm`` a layer-wise recipe
 selects per row (N:M fixes every row's count)."""
 
@@ -670,7 +689,7 @@ def build_spec(
         if not isinstance(refine_stage, SwapRefine):
             raise ValueError(
                 f"{_options_of(swap_options)} refine='sparseswaps', but refine is {refine_stage.name!r}: drop "
-                "them or refine with sparseswaps"
+                "them, or refine with sparseswaps (e.g. build_spec(SPARSESWAPS_SPEC, ...); CLI: --recipe sparseswaps)"
             )
         fields_ = {"scope" if k == "swap_scope" else k: v for k, v in swap_options.items()}
         refine_stage = dataclasses.replace(refine_stage, **fields_)

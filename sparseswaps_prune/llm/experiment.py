@@ -35,7 +35,7 @@ class Experiment:
 
     Example:
         >>> exp = Experiment(model, tok, calib, eval_tokens=tokens, seqlen=256)
-        >>> rows = [exp.run(PruneOptions(spec=build_spec(start=s))) for s in ("wanda", "ria")]
+        >>> rows = [exp.run(PruneOptions(spec=build_spec(SPARSESWAPS_SPEC, start=s))) for s in ("wanda", "ria")]
     """
 
     def __init__(

@@ -25,6 +25,7 @@ import torch
 
 from sparseswaps_prune.atomic import save_json
 from sparseswaps_prune.core.checks import check_device
+from sparseswaps_prune.core.spec import NoRefine
 from sparseswaps_prune.llm import checkpoint
 from sparseswaps_prune.llm.data import check_source
 from sparseswaps_prune.llm.distributed import Ranks, WindowShards
@@ -460,15 +461,22 @@ def summary(report: dict[str, Any]) -> str:
     t, ppl = report["totals"], report["perplexity"]
     options = PruneOptions.from_dict(report["config"]["prune"])
     lines = [format_table(layers), "", f"method: {options.describe()}"]
+    refined = not isinstance(options.spec.refine, NoRefine)  # else the refined mask is the start mask
     lines.append(
-        f"summed layer loss (calibration): start {t['loss_start']:.6g} -> refined mask {t['loss_refined']:.6g} "
-        f"({t['reduction']:.1%} lower; mean per-layer {t['mean_layer_reduction']:.1%}) -> final weights "
-        f"{t['loss_final']:.6g} ({t['final_reduction']:.1%} below the start)"
+        f"summed layer loss (calibration): start {t['loss_start']:.6g} -> "
+        + (
+            f"refined mask {t['loss_refined']:.6g} ({t['reduction']:.1%} lower; mean per-layer "
+            f"{t['mean_layer_reduction']:.1%}) -> "
+            if refined
+            else ""
+        )
+        + f"final weights {t['loss_final']:.6g} ({t['final_reduction']:.1%} below the start)"
     )
     if t.get("holdout_start") is not None:
         lines.append(
-            f"summed layer loss (held-out): start {t['holdout_start']:.6g} -> refined mask "
-            f"{t['holdout_refined']:.6g} -> final weights {t['holdout_final']:.6g}"
+            f"summed layer loss (held-out): start {t['holdout_start']:.6g} -> "
+            + (f"refined mask {t['holdout_refined']:.6g} -> " if refined else "")
+            + f"final weights {t['holdout_final']:.6g}"
         )
     tunes = report.get("block_tunes") or []
     if tunes:

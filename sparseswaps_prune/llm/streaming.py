@@ -1176,7 +1176,7 @@ def prune_checkpoint(
                 }
             )
             if reports:
-                bar.set_postfix(reduction=f"{sum(r.reduction for r in reports) / len(reports):.1%}")
+                bar.set_postfix(pipeline.progress_postfix(reports))
         files = []
         if writer is not None:
             files = writer.close(total_parameters=total_parameters)

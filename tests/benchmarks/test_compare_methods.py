@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from sparseswaps_prune.core.spec import DEFAULT_SPEC, build_spec
+from sparseswaps_prune.core.spec import DEFAULT_SPEC, SPARSESWAPS_SPEC, build_spec
 from sparseswaps_prune.llm.block_tune import BLOCK_TUNE_EPOCHS
 from sparseswaps_prune.llm.experiment import Experiment
 from sparseswaps_prune.llm.models import TINY_VOCAB_SIZE, tiny_model
@@ -52,18 +52,24 @@ def test_settings_are_build_spec_options(compare, common):
         "guard": False,
         "max_iters": 5,
     }
-    assert compare.parse_setting("") == {}  # DEFAULT_SPEC without block tuning
-    assert compare.parse_setting("default") == {"tune": BLOCK_TUNE_EPOCHS}  # the CLI's default: PruneOptions()
+    assert compare.parse_setting("") == {}  # SPARSESWAPS_SPEC without block tuning
+    assert compare.parse_setting("default") == {"recipe": "default", "tune": BLOCK_TUNE_EPOCHS}  # PruneOptions()
+    assert compare.parse_setting("recipe=alps") == {"recipe": "alps"}
     assert compare.parse_setting("refine=dsnot,dsnot_skip=none") == {"refine": "dsnot", "dsnot_skip": None}
-    for bad in ("warmstart=wanda", "sparsity=0.5", "guard=maybe", "refine"):
+    for bad in ("warmstart=wanda", "sparsity=0.5", "guard=maybe", "refine", "recipe=magic"):
         with pytest.raises(SystemExit):
             compare.parse_setting(bad)
-    # on top of DEFAULT_SPEC at the pattern, T from --max-iters unless given; scope=layer dropped at N:M
-    assert common.setting_spec({}, "60%", DEFAULT_SPEC.refine.max_iters) == DEFAULT_SPEC
-    assert common.setting_spec({}, "70%", 5) == build_spec(sparsity=0.7, max_iters=5)
+    # on top of SPARSESWAPS_SPEC at the pattern, T from --max-iters unless given; scope=layer dropped at N:M
+    assert common.setting_spec({}, "60%", SPARSESWAPS_SPEC.refine.max_iters) == SPARSESWAPS_SPEC
+    # or on top of a named recipe, its T kept; N:M selects per row
+    assert common.setting_spec({"recipe": "default"}, "60%", 5) == DEFAULT_SPEC
+    assert common.setting_spec({"recipe": "default"}, "2:4", 5) == build_spec(nm=(2, 4))
+    assert common.setting_spec({"recipe": "alps-swaps"}, "60%", 5).refine.max_iters == 25
+    assert common.setting_spec({}, "70%", 5) == build_spec(SPARSESWAPS_SPEC, sparsity=0.7, max_iters=5)
     published = {"start": "admm", "scope": "layer", "refine": "none", "weights": "start"}
-    assert common.setting_spec(published, "2:4", 25) == build_spec(nm=(2, 4), start="admm", refine="none",
-                                                                    weights="start")  # fmt: skip
+    assert common.setting_spec(published, "2:4", 25) == build_spec(
+        SPARSESWAPS_SPEC, nm=(2, 4), start="admm", refine="none", weights="start"
+    )
     assert common.setting_spec({"refine": "dsnot", "dsnot_skip": None}, "60%", 25).refine.skip is None
     with pytest.raises(ValueError, match="dsnot_skip"):
         common.setting_spec({"dsnot_skip": None}, "60%", 25)
@@ -95,10 +101,10 @@ def test_owl_settings_are_pipeline_options(compare, common, tmp_path, capsys):
     setting = compare.parse_setting("profile=owl,owl_lambda=0.05,refine=none,weights=keep")
     assert setting == {"profile": "owl", "owl_lambda": 0.05, "refine": "none", "weights": "keep"}
     options = common.setting_options(setting, "70%", 25)
-    spec = build_spec(sparsity=0.7, refine="none", weights="keep")
+    spec = build_spec(SPARSESWAPS_SPEC, sparsity=0.7, refine="none", weights="keep")
     assert options == PruneOptions(spec=spec, sparsity_profile="owl", owl_lambda=0.05, block_tune_epochs=0)
     assert common.options_label(options) == "wanda -> none -> keep, owl M=5 lambda=0.05"
-    assert common.setting_options({}, "60%", DEFAULT_SPEC.refine.max_iters) == PruneOptions(block_tune_epochs=0)
+    assert common.setting_options({}, "60%", 10) == PruneOptions(spec=SPARSESWAPS_SPEC, block_tune_epochs=0)
     with pytest.raises(ValueError, match="nm=\\(2, 4\\)"):
         common.setting_options(setting, "2:4", 25)
     with pytest.raises(ValueError, match="owl_lambda, profile set the pipeline's block budgets"):
@@ -129,6 +135,7 @@ def test_admm_alps_preset_on_a_tiny_model(compare, tmp_path, capsys):
         "admm/layer -> none -> start weights",
         "alps/layer -> none -> start weights",
         "sparsegpt/layer -> none -> obs",
+        "alps/layer -> none -> start weights -> block tune 3",
         "wanda -> sparseswaps T=3 -> ls -> block tune 3",
         "admm -> sparseswaps T=3 -> ls",
         "alps -> sparseswaps T=3 -> ls",
@@ -147,7 +154,7 @@ def test_admm_alps_preset_on_a_tiny_model(compare, tmp_path, capsys):
     # finished rows are read back without the model, with the same table
     again = compare.main([*args, "--report-only"], make_experiment=no_experiment)
     assert [r["totals"] for r in again["60%"]] == [r["totals"] for r in results["60%"]]
-    assert capsys.readouterr().out.count("| 60% |") == 7
+    assert capsys.readouterr().out.count("| 60% |") == 8
 
 
 def test_rows_of_another_spec_are_not_read(compare, tmp_path, capsys):
@@ -175,13 +182,15 @@ def test_rows_of_another_spec_are_not_read(compare, tmp_path, capsys):
 def test_block_tuning_settings_are_pipeline_options(compare, common):
     default = common.setting_options(compare.parse_setting("default"), "60%", 10)
     assert default == PruneOptions()
-    assert common.options_label(default) == "wanda -> sparseswaps T=10 -> ls -> block tune 3"
+    assert common.options_label(default) == "alps/layer -> none -> start weights -> block tune 3"
+    swaps = common.setting_options(compare.parse_setting("recipe=sparseswaps,tune=3"), "60%", 25)
+    assert common.options_label(swaps) == "wanda -> sparseswaps T=10 -> ls -> block tune 3"  # the recipe's T
     tuned = common.setting_options(compare.parse_setting("refine=none,tune=5,tune_lr=0.003"), "60%", 25)
     assert (tuned.block_tune_epochs, tuned.block_tune_lr) == (5, 0.003)
     assert common.options_label(tuned) == "wanda -> none -> ls -> block tune 5 lr 0.003"
     # rows written before block tuning existed were not tuned: they are read as block_tune_epochs=0
-    old = PruneOptions(block_tune_epochs=0).to_dict()
+    old = PruneOptions(spec=SPARSESWAPS_SPEC, block_tune_epochs=0).to_dict()
     del old["block_tune_epochs"], old["block_tune_lr"]
-    assert PruneOptions.from_dict(old) == common.setting_options({}, "60%", DEFAULT_SPEC.refine.max_iters)
+    assert PruneOptions.from_dict(old) == common.setting_options({}, "60%", SPARSESWAPS_SPEC.refine.max_iters)
     with pytest.raises(ValueError, match="tune set the pipeline's"):
         common.setting_spec({"tune": 5}, "60%", 25)

@@ -7,7 +7,7 @@ import torch
 
 from sparseswaps_prune.core.gram import GramAccumulator
 from sparseswaps_prune.core.layer import prune_layer
-from sparseswaps_prune.core.spec import build_spec
+from sparseswaps_prune.core.spec import DEFAULT_SPEC
 
 
 @pytest.fixture(scope="module")
@@ -41,14 +41,13 @@ def test_rows_score_prune_layer_and_resume(layer_specs, tmp_path, capsys):
             "refine=none,weights=keep"]  # fmt: skip
     rows = layer_specs.main(argv, grams_of=tiny_grams)["60%"]
     assert [row["label"] for row in rows] == [
-        "wanda -> sparseswaps T=4 -> ls",
+        "alps/layer -> none -> start weights",
         "admm/layer -> none -> start weights",
         "wanda -> none -> keep",
     ]
     weights, grams = tiny_grams([1], 3, 3, 2, 8)
-    spec = build_spec(sparsity=0.6, max_iters=4)
     for name, weight in weights.items():  # the default row is prune_layer's loss of the final weights, per token
-        out = prune_layer(weight, grams[name]["small"].gram, spec, holdout_gram=grams[name]["holdout"].gram)
+        out = prune_layer(weight, grams[name]["small"].gram, DEFAULT_SPEC, holdout_gram=grams[name]["holdout"].gram)
         assert rows[0]["layers"][name]["calib"] == pytest.approx(float(out.loss.final.sum()) / 24)
         assert rows[0]["layers"][name]["holdout"] == pytest.approx(float(out.holdout.final.sum()) / 16)
     # compensation lowers the calibration loss below Wanda's mask alone

@@ -14,6 +14,7 @@ from torch.nn import functional as F
 from torch.nn.utils import prune
 from torch.utils.data import DataLoader, TensorDataset
 
+from sparseswaps_prune import SPARSESWAPS_SPEC
 from sparseswaps_prune.callbacks import SparseSwapsPruning, all_reduce_grams, restore_masks
 from sparseswaps_prune.core.gram import GramAccumulator
 from sparseswaps_prune.core.layer import prune_layer
@@ -107,7 +108,11 @@ def only_prune_hooks(module: nn.Module) -> bool:
 
 
 def test_prunes_at_fit_start_and_zeros_stay_zero(tmp_path):
-    model, cb, snap = MLP(), SparseSwapsPruning(sparsity=0.5, max_iters=20, calibration_batches=2), Snapshot()
+    model, cb, snap = (
+        MLP(),
+        SparseSwapsPruning(spec=SPARSESWAPS_SPEC, sparsity=0.5, max_iters=20, calibration_batches=2),
+        Snapshot(),
+    )
     make_trainer(tmp_path, cb, snap).fit(model)
     assert cb.pruned and set(cb.stats) == {"net.0", "net.2"}
     assert set(snap.masks) == {"net.0", "net.2"}
@@ -130,8 +135,10 @@ def test_prunes_at_fit_start_and_zeros_stay_zero(tmp_path):
 
 @pytest.mark.parametrize("objective", ["mask", "refit"])
 def test_refit_writes_least_squares_weights_into_weight_orig(tmp_path, objective):
-    cb = SparseSwapsPruning(sparsity=0.5, max_iters=5, calibration_batches=2, weights="ls", objective=objective)
-    plain = SparseSwapsPruning(sparsity=0.5, max_iters=5, calibration_batches=2, weights="keep")
+    cb = SparseSwapsPruning(
+        spec=SPARSESWAPS_SPEC, sparsity=0.5, max_iters=5, calibration_batches=2, weights="ls", objective=objective
+    )
+    plain = SparseSwapsPruning(spec=SPARSESWAPS_SPEC, sparsity=0.5, max_iters=5, calibration_batches=2, weights="keep")
     model, snap = MLP(), Snapshot()
     dense = model.net[0].weight.detach().clone()
     make_trainer(tmp_path, cb, snap, max_epochs=1).fit(model)
@@ -148,7 +155,7 @@ def test_refit_writes_least_squares_weights_into_weight_orig(tmp_path, objective
 
 
 def test_validate_and_test_before_and_after_pruning(tmp_path):
-    model, cb = MLP(), SparseSwapsPruning(sparsity=0.5, max_iters=5, calibration_batches=1)
+    model, cb = MLP(), SparseSwapsPruning(spec=SPARSESWAPS_SPEC, sparsity=0.5, max_iters=5, calibration_batches=1)
     trainer = make_trainer(tmp_path, cb, max_epochs=1)
     dense = trainer.validate(model, verbose=False)[0]["val_loss"]
     assert not hasattr(model.net[0], "weight_mask")  # validate does not prune
@@ -161,14 +168,17 @@ def test_validate_and_test_before_and_after_pruning(tmp_path):
 
 
 def test_checkpoint_round_trip_does_not_prune_again(tmp_path):
-    model, cb = MLP(), SparseSwapsPruning(sparsity=0.6, max_iters=10, calibration_batches=2)
+    model, cb = MLP(), SparseSwapsPruning(spec=SPARSESWAPS_SPEC, sparsity=0.6, max_iters=10, calibration_batches=2)
     trainer = make_trainer(tmp_path, cb, max_epochs=1)
     trainer.fit(model)
     path = tmp_path / "pruned.ckpt"
     trainer.save_checkpoint(path)
     saved = {n: model.get_submodule(n).weight_mask.clone() for n in ("net.0", "net.2")}
 
-    resumed, cb2 = MLP(seed=5), SparseSwapsPruning(sparsity=0.6, max_iters=10, calibration_batches=2)
+    resumed, cb2 = (
+        MLP(seed=5),
+        SparseSwapsPruning(spec=SPARSESWAPS_SPEC, sparsity=0.6, max_iters=10, calibration_batches=2),
+    )
     make_trainer(tmp_path, cb2, max_epochs=2).fit(resumed, ckpt_path=path)  # SGD momentum state restores too
     assert cb2.pruned and cb2.stats == {}  # restored, not pruned again
     for name, mask in saved.items():
@@ -184,7 +194,10 @@ def test_checkpoint_round_trip_does_not_prune_again(tmp_path):
 
 
 def test_nm_and_logging(tmp_path):
-    model, cb = MLP(), SparseSwapsPruning(nm=(2, 4), max_iters=10, calibration_batches=1, exclude=["net.2"])
+    model, cb = (
+        MLP(),
+        SparseSwapsPruning(spec=SPARSESWAPS_SPEC, nm=(2, 4), max_iters=10, calibration_batches=1, exclude=["net.2"]),
+    )
     make_trainer(tmp_path, cb, max_epochs=1, logger=CSVLogger(tmp_path)).fit(model)
     assert set(cb.stats) == {"net.0"} and not hasattr(model.net[2], "weight_mask")
     blocks = model.net[0].weight_mask.reshape(32, 4, 4).sum(dim=-1)
@@ -197,7 +210,13 @@ def test_sequential_mode_epoch_trigger_and_make_permanent(tmp_path):
     loader = DataLoader(TensorDataset(torch.randn(32, 16)), batch_size=8)
     model, snap = MLP(), Snapshot()
     cb = SparseSwapsPruning(
-        sparsity=0.25, mode="sequential", when=1, calibration_dataloader=loader, max_iters=5, make_permanent=True
+        spec=SPARSESWAPS_SPEC,
+        sparsity=0.25,
+        mode="sequential",
+        when=1,
+        calibration_dataloader=loader,
+        max_iters=5,
+        make_permanent=True,
     )
     make_trainer(tmp_path, cb, snap).fit(model)
     assert snap.pruned_at_epoch_end == [False, True]  # pruned at the start of epoch 1
@@ -221,7 +240,8 @@ def test_sequential_mode_epoch_trigger_and_make_permanent(tmp_path):
         ({"sparsity": 0.5, "start": "obs"}, ValueError),
         ({"sparsity": 0.5, "spec": {"budget": None}}, TypeError),
         ({"sparsity": 0.5, "calibration_batches": 0}, ValueError),
-        ({"sparsity": 0.5, "max_iters": 1.5}, TypeError),
+        ({"sparsity": 0.5, "spec": SPARSESWAPS_SPEC, "max_iters": 1.5}, TypeError),
+        ({"sparsity": 0.5, "max_iters": 10}, ValueError),  # a SparseSwaps option on the default (ALPS's solution)
         ({"sparsity": 0.5, "when": "epoch_end"}, ValueError),
         ({"sparsity": 0.5, "when": -1}, ValueError),
         ({"sparsity": 0.5, "include": "*mlp*"}, TypeError),
@@ -268,7 +288,10 @@ class TinyLM(pl.LightningModule):
 
 
 def test_hugging_face_model_mlp_only(tmp_path):
-    lm, cb = TinyLM(), SparseSwapsPruning(sparsity=0.5, include=["*mlp*"], max_iters=10, calibration_batches=2)
+    lm, cb = (
+        TinyLM(),
+        SparseSwapsPruning(spec=SPARSESWAPS_SPEC, sparsity=0.5, include=["*mlp*"], max_iters=10, calibration_batches=2),
+    )
     make_trainer(tmp_path, cb, max_epochs=1, max_steps=2).fit(lm)
     assert len(cb.stats) == 6 and all(".mlp." in name for name in cb.stats)
     assert all(s.loss_final <= s.loss_start for s in cb.stats.values())
@@ -292,7 +315,9 @@ def _ddp_worker(rank: int, world_size: int, tmp: str) -> None:
         if rank == 0:
             accs["unused"].add(torch.ones(2, 12))
         all_reduce_grams(accs)
-        method = SparseSwapsMethod(0.5, grams=[accs["layer"].gram], shapes=[(6, 12)], max_iters=20, weights="keep")
+        method = SparseSwapsMethod(
+            0.5, grams=[accs["layer"].gram], shapes=[(6, 12)], max_iters=20, weights="keep", spec=SPARSESWAPS_SPEC
+        )
         existing = torch.ones(6, 12, dtype=torch.bool)
         mask = method.layer_outcome(layer.weight.detach(), existing, accs["layer"].gram).keep_mask
         torch.save(
@@ -333,7 +358,14 @@ class TinyGPT2(TinyLM):
 
 def test_gpt2_conv1d_refit_lands_in_the_parameter_layout(tmp_path):
     lm = TinyGPT2()
-    cb = SparseSwapsPruning(sparsity=0.5, include=["*.h.0.mlp.c_fc"], max_iters=3, calibration_batches=1, weights="ls")
+    cb = SparseSwapsPruning(
+        spec=SPARSESWAPS_SPEC,
+        sparsity=0.5,
+        include=["*.h.0.mlp.c_fc"],
+        max_iters=3,
+        calibration_batches=1,
+        weights="ls",
+    )
     snap = Snapshot()
     make_trainer(tmp_path, cb, snap, max_epochs=1, max_steps=1).fit(lm)
     (name,) = snap.origs
@@ -343,7 +375,12 @@ def test_gpt2_conv1d_refit_lands_in_the_parameter_layout(tmp_path):
 
 
 def test_gpt2_conv1d_layers_and_restore_masks(tmp_path):
-    lm, cb = TinyGPT2(), SparseSwapsPruning(sparsity=0.25, include=["*.mlp.c_fc"], max_iters=5, calibration_batches=1)
+    lm, cb = (
+        TinyGPT2(),
+        SparseSwapsPruning(
+            spec=SPARSESWAPS_SPEC, sparsity=0.25, include=["*.mlp.c_fc"], max_iters=5, calibration_batches=1
+        ),
+    )
     make_trainer(tmp_path, cb, max_epochs=1, max_steps=1).fit(lm)
     c_fc = lm.model.transformer.h[0].mlp.c_fc  # Conv1D, weight [d_in, d_out]
     d_in = c_fc.weight_orig.shape[0]
@@ -396,7 +433,7 @@ def assert_same_state(module: nn.Module, before: list[tuple[str, int, torch.Tens
 def test_a_failing_later_layer_leaves_every_layer_as_before(tmp_path, caplog, mode, model_kwargs, match):
     model = DeepMLP(**model_kwargs)
     before = dense_state(model)
-    cb = SparseSwapsPruning(nm=(2, 4), mode=mode, max_iters=3, calibration_batches=2)
+    cb = SparseSwapsPruning(spec=SPARSESWAPS_SPEC, nm=(2, 4), mode=mode, max_iters=3, calibration_batches=2)
     with pytest.raises(ValueError, match=match):
         make_trainer(tmp_path, cb, max_epochs=1).fit(model)
     assert not cb.pruned and cb.stats == {}
@@ -412,14 +449,14 @@ def test_a_failed_sequential_call_restores_the_masks_of_layers_pruned_before(tmp
     model = DeepMLP()
     loader = model._loader()
     trainer = make_trainer(tmp_path)
-    first = SparseSwapsPruning(sparsity=0.5, include=["net.0"], max_iters=3, calibration_batches=2,
-                               calibration_dataloader=loader)  # fmt: skip
+    first = SparseSwapsPruning(spec=SPARSESWAPS_SPEC, sparsity=0.5, include=["net.0"], max_iters=3,
+                               calibration_batches=2, calibration_dataloader=loader)  # fmt: skip
     first.prune(trainer, model)
     mask, orig = model.net[0].weight_mask.clone(), model.net[0].weight_orig.detach().clone()
     before = dense_state(model)
     model.net[3].factor = float("inf")
-    second = SparseSwapsPruning(sparsity=0.75, mode="sequential", max_iters=3, calibration_batches=2,
-                                calibration_dataloader=loader, weights="ls")  # fmt: skip
+    second = SparseSwapsPruning(spec=SPARSESWAPS_SPEC, sparsity=0.75, mode="sequential", max_iters=3,
+                                calibration_batches=2, calibration_dataloader=loader, weights="ls")  # fmt: skip
     with pytest.raises(ValueError, match=r"net\.4.*NaN or Inf"):
         second.prune(trainer, model)
     assert torch.equal(model.net[0].weight_mask, mask) and torch.equal(model.net[0].weight_orig, orig)
@@ -431,7 +468,7 @@ def test_a_failed_sequential_call_restores_the_masks_of_layers_pruned_before(tmp
 def test_dsnot_refine_gets_the_input_means_from_calibration(tmp_path):
     model = MLP()
     dense = model.net[0].weight.detach().clone()
-    cb = SparseSwapsPruning(sparsity=0.5, refine="dsnot", calibration_batches=2)
+    cb = SparseSwapsPruning(spec=SPARSESWAPS_SPEC, sparsity=0.5, refine="dsnot", calibration_batches=2)
     make_trainer(tmp_path, cb, max_epochs=1).fit(model)
     acc = GramAccumulator(16, track_sum=True)
     acc.add(model.x[:32])  # the 2 calibration batches; 2-D inputs, so per-token means

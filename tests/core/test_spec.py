@@ -6,6 +6,8 @@ import pytest
 
 from sparseswaps_prune.core.spec import (
     DEFAULT_SPEC,
+    RECIPES,
+    ALPSStart,
     Budget,
     DSnoTRefine,
     KeepWeights,
@@ -15,33 +17,55 @@ from sparseswaps_prune.core.spec import (
     PruneSpec,
     ScoreStart,
     SparseGPTStart,
+    StartWeights,
     SwapRefine,
     build_spec,
 )
 
+SWAPS = RECIPES["sparseswaps"]  # the building blocks' defaults: PruneSpec()
+
 
 def test_default_spec():
     assert DEFAULT_SPEC == PruneSpec(
+        budget=Budget(sparsity=0.6, scope="layer"), start=ALPSStart(), refine=NoRefine(), weights=StartWeights()
+    )
+    assert DEFAULT_SPEC.describe() == "60% per layer: alps -> none -> start"
+    assert build_spec() == DEFAULT_SPEC == RECIPES["alps"]  # the pipeline tunes the default, not the published alps
+    assert build_spec(nm=(2, 4)).budget == Budget(nm=(2, 4), scope="row")
+    assert SWAPS == PruneSpec(
         budget=Budget(sparsity=0.6), start=ScoreStart("wanda"), refine=SwapRefine(max_iters=10), weights=LeastSquares()
     )
-    assert DEFAULT_SPEC.describe() == "60% per row: wanda -> sparseswaps T=10 (mask) -> ls (diag ridge 0.1)"
-    assert build_spec() == DEFAULT_SPEC
-    assert DEFAULT_SPEC.weights == LeastSquares(solver="direct", damp=0.1, guard=False, ridge="diag")
+    assert SWAPS.describe() == "60% per row: wanda -> sparseswaps T=10 (mask) -> ls (diag ridge 0.1)"
+    assert SWAPS.weights == LeastSquares(solver="direct", damp=0.1, guard=False, ridge="diag")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"max_iters": 25}, r"max_iters is an option of refine='sparseswaps'.*--recipe sparseswaps"),
+        ({"start": "wanda"}, r"start 'wanda' computes none.*--recipe sparseswaps"),
+        ({"refine": "sparseswaps"}, "use refine='none', or weights='ls'"),
+    ],
+)
+def test_swap_options_on_the_default_name_the_sparseswaps_recipe(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        build_spec(**kwargs)
+    build_spec(SWAPS, **kwargs)  # meaningful on SparseSwaps' own spec
 
 
 @pytest.mark.parametrize(
     "spec",
     [
         DEFAULT_SPEC,
-        build_spec(nm=(2, 4), start="sparsegpt", weights="obs", start_damp=0.05),
-        build_spec(start="admm", scope="layer", refine="none", weights="start"),
-        build_spec(start="alps", start_damp=0.02, weights="alps", guard=True),
-        build_spec(start="wanda", weights="admm", damp=0.2),
-        build_spec(refine="dsnot", weights="keep", scope="layer"),
-        build_spec(refine="none", weights="cg", guard=False, damp=0.0),
-        build_spec(objective="refit", max_iters=3, search_dtype="float64", backend="torch", eps=1e-6),
-        build_spec(ridge="diag", weights="cg"),
-        build_spec(start="admm", scope="layer", swap_scope="row", objective="refit"),
+        build_spec(SWAPS, nm=(2, 4), start="sparsegpt", weights="obs", start_damp=0.05),
+        build_spec(SWAPS, start="admm", scope="layer", refine="none", weights="start"),
+        build_spec(SWAPS, start="alps", start_damp=0.02, weights="alps", guard=True),
+        build_spec(SWAPS, start="wanda", weights="admm", damp=0.2),
+        build_spec(SWAPS, refine="dsnot", weights="keep", scope="layer"),
+        build_spec(SWAPS, refine="none", weights="cg", guard=False, damp=0.0),
+        build_spec(SWAPS, objective="refit", max_iters=3, search_dtype="float64", backend="torch", eps=1e-6),
+        build_spec(SWAPS, ridge="diag", weights="cg"),
+        build_spec(SWAPS, start="admm", scope="layer", swap_scope="row", objective="refit"),
     ],
 )
 def test_json_round_trip(spec):
@@ -49,15 +73,21 @@ def test_json_round_trip(spec):
 
 
 def test_build_spec_switches_stages_and_keeps_the_rest():
-    spec = build_spec(nm=(2, 4))
-    assert spec.budget == Budget(nm=(2, 4)) and spec.refine == DEFAULT_SPEC.refine
+    spec = build_spec(SWAPS, nm=(2, 4))
+    assert spec.budget == Budget(nm=(2, 4)) and spec.refine == SWAPS.refine
     assert build_spec(spec, sparsity=0.5).budget == Budget(sparsity=0.5)
-    assert build_spec(weights="cg").weights == LeastSquares(solver="cg")
-    assert build_spec(weights="obs").weights == OBSUpdate(damp=0.01, guard=False)
-    assert build_spec(weights="keep").weights == KeepWeights() and not build_spec(weights="keep").updates_weights
-    assert build_spec(refine="none").refine == NoRefine() and build_spec(refine="dsnot").refine == DSnoTRefine()
-    assert build_spec(start="sparsegpt").start == SparseGPTStart()
-    assert build_spec(max_iters=7, weights="ls").refine.max_iters == 7  # "ls" is the default: damp etc. kept
+    assert build_spec(SWAPS, weights="cg").weights == LeastSquares(solver="cg")
+    assert build_spec(SWAPS, weights="obs").weights == OBSUpdate(damp=0.01, guard=False)
+    assert (
+        build_spec(SWAPS, weights="keep").weights == KeepWeights()
+        and not build_spec(SWAPS, weights="keep").updates_weights
+    )
+    assert (
+        build_spec(SWAPS, refine="none").refine == NoRefine()
+        and build_spec(SWAPS, refine="dsnot").refine == DSnoTRefine()
+    )
+    assert build_spec(SWAPS, start="sparsegpt").start == SparseGPTStart()
+    assert build_spec(SWAPS, max_iters=7, weights="ls").refine.max_iters == 7  # "ls" is the default: damp etc. kept
 
 
 @pytest.mark.parametrize(
@@ -95,36 +125,34 @@ def test_build_spec_switches_stages_and_keeps_the_rest():
 )
 def test_meaningless_or_bad_options_are_refused(kwargs, error, match):
     with pytest.raises(error, match=match):
-        build_spec(**kwargs)
+        build_spec(SWAPS, **kwargs)
 
 
 def test_ridge_takes_its_own_default_damp_unless_given():
-    assert DEFAULT_SPEC.weights.ridge == "diag" and DEFAULT_SPEC.weights.damp == 0.1
-    mean = build_spec(ridge="mean").weights
+    assert SWAPS.weights.ridge == "diag" and SWAPS.weights.damp == 0.1
+    mean = build_spec(SWAPS, ridge="mean").weights
     assert mean == LeastSquares(ridge="mean", damp=1e-3) and not mean.guard
-    assert build_spec(ridge="mean", damp=0.05).weights.damp == 0.05
-    assert build_spec(damp=0.05, ridge="mean").weights.damp == 0.05
-    assert build_spec(build_spec(ridge="mean"), max_iters=3).weights.damp == 1e-3  # kept when ridge is unchanged
-    assert build_spec(build_spec(ridge="mean"), ridge="diag").weights.damp == 0.1
+    assert build_spec(SWAPS, ridge="mean", damp=0.05).weights.damp == 0.05
+    assert build_spec(SWAPS, damp=0.05, ridge="mean").weights.damp == 0.05
+    assert build_spec(build_spec(SWAPS, ridge="mean"), max_iters=3).weights.damp == 1e-3  # kept when ridge is unchanged
+    assert build_spec(build_spec(SWAPS, ridge="mean"), ridge="diag").weights.damp == 0.1
 
 
 def test_swap_scope_row_under_a_layer_budget():
-    spec = build_spec(start="admm", scope="layer", swap_scope="row")
+    spec = build_spec(SWAPS, start="admm", scope="layer", swap_scope="row")
     assert spec.refine == SwapRefine(scope="row") and spec.budget.scope == "layer"
     assert spec.describe() == "60% per layer: admm -> sparseswaps T=10 (mask) (within rows) -> ls (diag ridge 0.1)"
-    assert PruneSpec.from_dict({**DEFAULT_SPEC.to_dict(), "refine": {"kind": "sparseswaps"}}) == DEFAULT_SPEC
+    assert PruneSpec.from_dict({**SWAPS.to_dict(), "refine": {"kind": "sparseswaps"}}) == SWAPS
 
 
 def test_recipes_are_specs_that_options_change():
-    from sparseswaps_prune import RECIPES
-
-    assert RECIPES["default"] is DEFAULT_SPEC
+    assert RECIPES["default"] is DEFAULT_SPEC and RECIPES["sparseswaps"] == PruneSpec()
     assert RECIPES["paper"].describe() == "60% per row: wanda -> sparseswaps T=100 (mask) -> keep"
-    assert RECIPES["admm"] == build_spec(start="admm", scope="layer", refine="none", weights="start")
+    assert RECIPES["admm"] == build_spec(SWAPS, start="admm", scope="layer", refine="none", weights="start")
     assert RECIPES["alps-swaps"] == build_spec(
-        start="alps", scope="layer", swap_scope="row", objective="refit", max_iters=25
+        SWAPS, start="alps", scope="layer", swap_scope="row", objective="refit", max_iters=25
     )
-    assert RECIPES["alps-swaps"].weights == DEFAULT_SPEC.weights  # the re-fit objective's own re-fit
+    assert RECIPES["alps-swaps"].weights == SWAPS.weights  # the re-fit objective's own re-fit
     seventy = build_spec(RECIPES["alps"], sparsity=0.7)
     assert seventy.budget == Budget(sparsity=0.7, scope="layer") and seventy.start == RECIPES["alps"].start
     # N:M fixes every row's count: a layer-wise recipe selects per row, unless a scope is asked for

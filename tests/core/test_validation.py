@@ -3,6 +3,7 @@ import torch
 
 from sparseswaps_prune import build_spec, prune_layer, refine_mask, row_losses, warmstart_mask
 from sparseswaps_prune.core.checks import check_gram, check_weight
+from sparseswaps_prune.core.spec import SPARSESWAPS_SPEC
 from tests.core.reference import layer_problem
 
 W, G = layer_problem(4, 8, seed=0, dtype=torch.float32)
@@ -94,5 +95,10 @@ def test_empty_and_meta_weights_and_near_one_sparsity():
     with pytest.raises(ValueError, match="meta tensor"):
         check_weight(torch.empty(4, 8, device="meta"))
     with pytest.raises(ValueError, match=r"keeps none of the 64 weights of each row.*below 0\.992188"):
-        prune_layer(torch.randn(4, 64), torch.eye(64), build_spec(sparsity=0.995))
-    assert prune_layer(torch.randn(4, 64), torch.eye(64), build_spec(sparsity=0.99)).keep_mask.sum(1).eq(1).all()
+        prune_layer(torch.randn(4, 64), torch.eye(64), build_spec(SPARSESWAPS_SPEC, sparsity=0.995))
+    assert (
+        prune_layer(torch.randn(4, 64), torch.eye(64), build_spec(SPARSESWAPS_SPEC, sparsity=0.99))
+        .keep_mask.sum(1)
+        .eq(1)
+        .all()
+    )

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.nn.utils import prune
 
-from sparseswaps_prune.core.spec import build_spec
+from sparseswaps_prune.core.spec import SPARSESWAPS_SPEC, build_spec
 from sparseswaps_prune.finetune import (
     AdapterHook,
     adapted_modules,
@@ -116,7 +116,7 @@ def test_pruning_after_attaching_is_followed(kind):
 def test_pipeline_prunes_the_linears_not_the_adapters():
     model = fresh_tiny("llama")
     attach_adapters(model, "masklora", rank=4)
-    options = PruneOptions(spec=build_spec(sparsity=0.5, max_iters=2))
+    options = PruneOptions(spec=build_spec(SPARSESWAPS_SPEC, sparsity=0.5, max_iters=2))
     result = prune_model(model, counting_ids(2), options, progress=False)
     assert len(result.layers) == 14 and not any("adapter" in report.name for report in result.layers)
     train_steps(model, counting_ids(4), steps=2)

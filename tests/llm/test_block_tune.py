@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from sparseswaps_prune.core.spec import build_spec
+from sparseswaps_prune.core.spec import SPARSESWAPS_SPEC, build_spec
 from sparseswaps_prune.llm import pipeline
 from sparseswaps_prune.llm.block_tune import relative_error, step_lr, tune_block
 from sparseswaps_prune.llm.capture import capture_block_inputs
@@ -27,7 +27,9 @@ def calib(n: int = 4, seqlen: int = 24, seed: int = 0) -> torch.Tensor:
 
 
 def opts(epochs: int = 3, lr: float = 1e-3, **spec) -> PruneOptions:
-    return PruneOptions(spec=build_spec(max_iters=4, **spec), block_tune_epochs=epochs, block_tune_lr=lr)
+    return PruneOptions(
+        spec=build_spec(SPARSESWAPS_SPEC, max_iters=4, **spec), block_tune_epochs=epochs, block_tune_lr=lr
+    )
 
 
 def pruned_block(holdout: bool = True):

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from sparseswaps_prune import atomic
-from sparseswaps_prune.core.spec import build_spec
+from sparseswaps_prune.core.spec import SPARSESWAPS_SPEC, build_spec
 from sparseswaps_prune.llm import checkpoint, pipeline
 from sparseswaps_prune.llm.checkpoint import CheckpointMismatch, to_plain
 from sparseswaps_prune.llm.job import STATE_DIR, JobConfig, run_job
@@ -25,7 +25,7 @@ WRITES_PER_BLOCK = 4  # block file, fit inputs, held-out inputs, progress marker
 
 def options(**spec) -> PruneOptions:
     # untuned: WRITES_PER_BLOCK counts the pruned model's streams (block tuning's are in test_block_tune.py)
-    return PruneOptions(spec=build_spec(**({"max_iters": 2} | spec)), block_tune_epochs=0)
+    return PruneOptions(spec=build_spec(SPARSESWAPS_SPEC, **({"max_iters": 2} | spec)), block_tune_epochs=0)
 
 
 def tokens(n: int, seed: int) -> torch.Tensor:

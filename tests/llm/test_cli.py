@@ -10,7 +10,7 @@ import transformers
 
 from sparseswaps_prune.callbacks import SparseSwapsPruning
 from sparseswaps_prune.cli import build_parser, job_config, main
-from sparseswaps_prune.core.spec import DEFAULT_SPEC, RECIPES, OBSUpdate, build_spec
+from sparseswaps_prune.core.spec import DEFAULT_SPEC, RECIPES, SPARSESWAPS_SPEC, OBSUpdate, build_spec
 from sparseswaps_prune.llm.block_tune import BLOCK_TUNE_EPOCHS
 from sparseswaps_prune.llm.job import JobConfig
 from sparseswaps_prune.llm.pipeline import PruneOptions
@@ -19,16 +19,17 @@ from sparseswaps_prune.prune import SparseSwapsMethod
 
 def test_prune_report_eval(saved_tiny, tmp_path, capsys):
     out = tmp_path / "out"
-    args = ["prune", "--model", str(saved_tiny), "--nm", "2:4", "--max-iters", "3", "--nsamples", "2",
+    args = ["prune", "--model", str(saved_tiny), "--nm", "2:4", "--nsamples", "2",
             "--seqlen", "32", "--eval-windows", "2", "--out", str(out), "--json-log"]  # fmt: skip
     assert main(args) == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["totals"]["loss_refined"] <= summary["totals"]["loss_start"]
     config = json.loads((out / "config_sparseswaps.json").read_text())
     assert config["prune"]["spec"]["budget"]["nm"] == [2, 4]
-    # the main job's defaults: swaps, then a re-fit with ADMM's ridge; 8 held-out windows for the report
-    weights = config["prune"]["spec"]["weights"]
-    assert weights["kind"] == "least_squares" and weights["ridge"] == "diag" and not weights["guard"]
+    # the main job's defaults: ALPS's mask and weights, then block tuning; 8 held-out windows for the report
+    spec = config["prune"]["spec"]
+    assert spec["start"]["kind"] == "alps" and spec["refine"] == {"kind": "none"}
+    assert spec["weights"] == {"kind": "start", "guard": False} and config["prune"]["block_tune_epochs"] == 3
     assert config["holdout"] == 8
     assert summary["totals"]["loss_final"] <= summary["totals"]["loss_refined"]
     assert summary["totals"]["holdout_final"] is not None
@@ -59,10 +60,12 @@ def test_cli_and_python_defaults_build_the_same_job():
     assert JobConfig().prune.spec == DEFAULT_SPEC and PruneOptions().spec == DEFAULT_SPEC
     assert SparseSwapsMethod(0.6, grams=[torch.eye(2)], tensors=[]).spec == DEFAULT_SPEC
     assert SparseSwapsPruning().spec == DEFAULT_SPEC
-    given = job_config(build_parser().parse_args(["prune", "--out", "x", "--weights", "keep", "--max-iters", "7"]))
-    assert given.prune.spec == build_spec(weights="keep", max_iters=7)
-    ridge = job_config(build_parser().parse_args(["prune", "--out", "x", "--ridge", "diag"]))
-    assert ridge.prune.spec == build_spec(ridge="diag") and ridge.prune.spec.weights.damp == 0.1
+    swaps = ["prune", "--out", "x", "--recipe", "sparseswaps"]
+    given = job_config(build_parser().parse_args([*swaps, "--weights", "keep", "--max-iters", "7"]))
+    assert given.prune.spec == build_spec(SPARSESWAPS_SPEC, weights="keep", max_iters=7)
+    assert given.prune.block_tune_epochs == BLOCK_TUNE_EPOCHS  # SparseSwaps' spec is tuned like the default
+    ridge = job_config(build_parser().parse_args([*swaps, "--ridge", "diag"]))
+    assert ridge.prune.spec == build_spec(SPARSESWAPS_SPEC, ridge="diag") and ridge.prune.spec.weights.damp == 0.1
     recipe = job_config(build_parser().parse_args(["prune", "--out", "x", "--recipe", "alps", "--sparsity", "0.7"]))
     assert recipe.prune.spec == build_spec(RECIPES["alps"], sparsity=0.7)
     assert recipe.prune.block_tune_epochs == 0  # a published recipe runs as published
@@ -99,8 +102,14 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
     assert "max_iters" in capsys.readouterr().err
     assert main(["prune", "--weights", "keep", "--guard", "--out", str(tmp_path / "x")]) == 2
     assert "guard" in capsys.readouterr().err
-    assert main(["prune", "--objective", "refit", "--weights", "cg", "--out", str(tmp_path / "x")]) == 2
+    swaps = ["prune", "--recipe", "sparseswaps"]
+    assert main([*swaps, "--objective", "refit", "--weights", "cg", "--out", str(tmp_path / "x")]) == 2
     assert "LeastSquares(solver='direct')" in capsys.readouterr().err
+    # the SparseSwaps options on the default (ALPS's solution) name the recipe that takes them
+    assert main(["prune", "--max-iters", "25", "--out", str(tmp_path / "x")]) == 2
+    assert "--recipe sparseswaps" in capsys.readouterr().err
+    assert main(["prune", "--start", "wanda", "--out", str(tmp_path / "x")]) == 2
+    assert "--recipe sparseswaps" in capsys.readouterr().err
     assert main(["prune", "--calib-shards", "0", "--out", str(tmp_path / "x")]) == 2
     assert "calib_shards must be a positive int" in capsys.readouterr().err
     assert main(["prune", "--nsamples", "4", "--calib-shards", "2", "--out", str(tmp_path / "x")]) == 2
@@ -115,7 +124,8 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
 def test_weights_keep_is_the_papers_method(saved_tiny, tmp_path, capsys):
     out = tmp_path / "paper"
     args = ["prune", "--model", str(saved_tiny), "--nsamples", "2", "--seqlen", "32", "--eval-windows", "2",
-            "--max-iters", "2", "--weights", "keep", "--holdout", "0", "--out", str(out), "--json-log"]  # fmt: skip
+            "--recipe", "sparseswaps", "--max-iters", "2", "--weights", "keep", "--holdout", "0", "--out", str(out),
+            "--json-log"]  # fmt: skip
     assert main(args) == 0
     t = json.loads(capsys.readouterr().out)["totals"]
     assert t["loss_final"] == t["loss_refined"] and t["holdout_refined"] is None
@@ -140,7 +150,7 @@ def test_prune_with_refit_and_holdout(saved_tiny, tmp_path, capsys):
     "flags",
     [
         ["--start", "sparsegpt", "--scope", "layer", "--refine", "none", "--weights", "obs", "--holdout", "0"],
-        ["--refine", "dsnot", "--weights", "keep"],
+        ["--recipe", "sparseswaps", "--refine", "dsnot", "--weights", "keep"],
         ["--refine", "none", "--no-guard"],
     ],
 )

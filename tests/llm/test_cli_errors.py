@@ -44,7 +44,8 @@ def files(tmp_path_factory):
 
 def prune_args(model_dir, out, *flags: str) -> list[str]:
     return ["prune", "--model", str(model_dir), "--nsamples", "2", "--seqlen", "16", "--holdout", "1",
-            "--eval-windows", "1", "--max-iters", "1", "--quiet", "--out", str(out), *flags]  # fmt: skip
+            "--eval-windows", "1", "--recipe", "sparseswaps", "--max-iters", "1", "--quiet", "--out", str(out),
+            *flags]  # fmt: skip
 
 
 def one_line_error(capsys, *needles: str) -> str:

@@ -20,7 +20,7 @@ import torch.multiprocessing as mp
 from transformers import AutoModelForCausalLM
 
 from sparseswaps_prune.core.gram import GramAccumulator
-from sparseswaps_prune.core.spec import build_spec
+from sparseswaps_prune.core.spec import SPARSESWAPS_SPEC, build_spec
 from sparseswaps_prune.llm import pipeline
 from sparseswaps_prune.llm.capture import BlockInputs, capture_block_inputs
 from sparseswaps_prune.llm.checkpoint import CheckpointMismatch
@@ -45,7 +45,9 @@ def timeless(reports: list) -> list:
 
 
 def options(shards: int) -> PruneOptions:
-    return PruneOptions(spec=build_spec(max_iters=1), calib_shards=shards, block_tune_epochs=0 if shards > 1 else 5)
+    return PruneOptions(
+        spec=build_spec(SPARSESWAPS_SPEC, max_iters=1), calib_shards=shards, block_tune_epochs=0 if shards > 1 else 5
+    )
 
 
 def test_window_shards_split_whole_batches_in_order():
@@ -123,7 +125,7 @@ def test_one_shard_is_the_default_and_shards_only_reorder_sums():
     def run(opts: PruneOptions):
         return prune_model(tiny_model("llama").eval(), calib(), opts, progress=False, batch_size=2, holdout_tokens=held)
 
-    base = run(PruneOptions(spec=build_spec(max_iters=1)))
+    base = run(PruneOptions(spec=build_spec(SPARSESWAPS_SPEC, max_iters=1)))
     assert timeless(run(options(1)).layers) == timeless(base.layers)
     sharded = run(options(2))
     for got, want in zip(sharded.layers, base.layers, strict=True):
@@ -283,8 +285,8 @@ def _cli(args: list[str], tmp: Path, ranks: int = 0) -> subprocess.CompletedProc
 
 def test_torchrun_job_equals_one_process(saved_tiny, tmp_path):
     args = ["prune", "--model", str(saved_tiny), "--nsamples", "4", "--holdout", "2", "--batch-size", "1",
-            "--calib-shards", "2", "--seqlen", "32", "--eval-windows", "2", "--max-iters", "2",
-            "--block-tune-epochs", "0", "--quiet"]  # fmt: skip
+            "--calib-shards", "2", "--seqlen", "32", "--eval-windows", "2", "--recipe", "sparseswaps",
+            "--max-iters", "2", "--block-tune-epochs", "0", "--quiet"]  # fmt: skip
     one = _cli([*args, "--out", str(tmp_path / "one")], tmp_path)
     assert one.returncode == 0, one.stderr
     two = _cli([*args, "--distributed", "--out", str(tmp_path / "two")], tmp_path, ranks=2)
@@ -369,7 +371,7 @@ def test_plan_work_without_split_places_whole_layers_largest_first():
     ],
 )
 def test_row_separable_specs(kwargs, separable, why):
-    spec = build_spec(**kwargs)
+    spec = build_spec(SPARSESWAPS_SPEC, **kwargs)
     assert spec.row_separable is separable
     assert (spec.row_obstacle is None) if why is None else (why in spec.row_obstacle)
 
@@ -383,9 +385,11 @@ def test_row_shards_option_is_checked():
 
 
 ROW_SPECS = {
-    "row": build_spec(max_iters=2),  # the default: 60% per row, Wanda, swaps, LS re-fit
-    "nm": build_spec(nm=(2, 4), max_iters=2, guard=True),  # N:M, with the held-out guard (updated_rows)
-    "layer": build_spec(scope="layer", max_iters=2),  # per-layer budget: not separable, whole layers
+    "row": build_spec(SPARSESWAPS_SPEC, max_iters=2),  # the default: 60% per row, Wanda, swaps, LS re-fit
+    "nm": build_spec(
+        SPARSESWAPS_SPEC, nm=(2, 4), max_iters=2, guard=True
+    ),  # N:M, with the held-out guard (updated_rows)
+    "layer": build_spec(SPARSESWAPS_SPEC, scope="layer", max_iters=2),  # per-layer budget: not separable, whole layers
 }
 
 

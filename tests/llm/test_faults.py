@@ -26,7 +26,7 @@ from safetensors.torch import load_file
 
 from sparseswaps_prune import atomic
 from sparseswaps_prune.cli import main
-from sparseswaps_prune.core.spec import build_spec
+from sparseswaps_prune.core.spec import SPARSESWAPS_SPEC, build_spec
 from sparseswaps_prune.llm import checkpoint, job, models, pipeline
 from sparseswaps_prune.llm.capture import BlockInputs
 from sparseswaps_prune.llm.data import builtin_text
@@ -102,7 +102,7 @@ def run_pipeline(state: Path | None):
     prune_model(
         model,
         tokens(4, 0),
-        PruneOptions(spec=build_spec(max_iters=1, backend=BACKEND), block_tune_epochs=0),
+        PruneOptions(spec=build_spec(SPARSESWAPS_SPEC, max_iters=1, backend=BACKEND), block_tune_epochs=0),
         checkpoint_dir=state,
         batch_size=4,
         progress=False,
@@ -197,7 +197,8 @@ def model_dir(tmp_path_factory, tiny_tokenizer):
 def prune_args(model_dir: Path, out: Path) -> list[str]:
     return ["prune", "--model", str(model_dir), "--calib", str(model_dir / "calib.txt"), "--eval",
             str(model_dir / "eval.txt"), "--nsamples", "2", "--seqlen", "16", "--holdout", "1", "--eval-windows", "1",
-            "--max-iters", "1", "--backend", BACKEND, "--quiet", "--out", str(out)]  # fmt: skip
+            "--recipe", "sparseswaps", "--max-iters", "1", "--backend", BACKEND, "--quiet", "--out",
+            str(out)]  # fmt: skip
 
 
 def output_of(out: Path) -> dict:

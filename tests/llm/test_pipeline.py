@@ -10,18 +10,25 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM
 
-from sparseswaps_prune.core.spec import DSnoTRefine, PruneSpec, build_spec
+from sparseswaps_prune.core.spec import SPARSESWAPS_SPEC, DSnoTRefine, PruneSpec, build_spec
 from sparseswaps_prune.llm import pipeline
 from sparseswaps_prune.llm.job import JobConfig, run_job, summary
 from sparseswaps_prune.llm.models import TINY_ARCHS, tiny_model
-from sparseswaps_prune.llm.pipeline import PruneOptions, finalize, masks_swapped, prune_model
+from sparseswaps_prune.llm.pipeline import (
+    LayerReport,
+    PruneOptions,
+    finalize,
+    masks_swapped,
+    progress_postfix,
+    prune_model,
+)
 from sparseswaps_prune.modules import PrunableLayer
 from tests.llm.helpers import crash_on_call
 
 
 def opts(include=None, exclude=None, **spec_options) -> PruneOptions:
     """Pipeline options with the default spec changed by ``spec_options`` (``build_spec``'s names)."""
-    return PruneOptions(spec=build_spec(**spec_options), include=include, exclude=exclude)
+    return PruneOptions(spec=build_spec(SPARSESWAPS_SPEC, **spec_options), include=include, exclude=exclude)
 
 
 def calib(n: int = 4, seqlen: int = 24, seed: int = 0) -> torch.Tensor:
@@ -49,6 +56,14 @@ def test_every_architecture_prunes_saves_and_reloads(arch, tmp_path):
         assert weights[name][mask].count_nonzero() == mask.sum()
     logits = reloaded(calib(1, 8)).logits
     assert torch.isfinite(logits).all()
+
+
+def test_progress_postfix_reports_the_refined_and_the_final_reduction():
+    def layer(start: float, refined: float, final: float) -> LayerReport:
+        return LayerReport("l", 0, 2, 4, 0.5, start, refined, final, n_swaps=0, iters=0, seconds_mask=0.0)
+
+    layers = [layer(4.0, 4.0, 1.0), layer(2.0, 1.0, 1.0)]  # an unrefined layer (ALPS's) and a refined one
+    assert progress_postfix(layers) == {"refined": "25.0%", "final": "62.5%"}
 
 
 def test_nm_pipeline_keeps_pattern():
@@ -150,7 +165,7 @@ def test_refit_and_holdout_losses(arch):
 def test_baselines_through_the_pipeline(setting):
     model = tiny_model("llama")
     setting = dict(setting)
-    spec = build_spec(**{k: v for k, v in setting.items() if k != "dsnot_skip"})
+    spec = build_spec(SPARSESWAPS_SPEC, **{k: v for k, v in setting.items() if k != "dsnot_skip"})
     if "dsnot_skip" in setting:
         spec = PruneSpec(budget=spec.budget, start=spec.start, refine=DSnoTRefine(skip=None), weights=spec.weights)
     result = prune_model(model, calib(), PruneOptions(spec=spec), progress=False)
@@ -181,7 +196,7 @@ def test_holdout_guard_keeps_only_rows_whose_refit_generalises():
     assert all(r.holdout_final <= r.holdout_refined * (1 + 1e-9) for r in result.layers)
     assert any(r.updated_rows < 1 for r in result.layers) and all(0 <= r.updated_rows <= 1 for r in result.layers)
     with pytest.raises(ValueError, match="guard is an option of a weight update"):
-        build_spec(weights="keep", guard=True)
+        build_spec(SPARSESWAPS_SPEC, weights="keep", guard=True)
 
 
 def test_layer_without_calibration_tokens_is_named():
@@ -220,7 +235,9 @@ def test_job_writes_complete_outputs_and_is_idempotent(saved_tiny, tmp_path):
     reloaded = AutoModelForCausalLM.from_pretrained(out)
     q = reloaded.model.layers[0].self_attn.q_proj.weight
     assert abs(float((q == 0).float().mean()) - 0.6) < 0.02
-    assert "perplexity" in summary(report)
+    assert "perplexity" in summary(report) and "-> refined mask" in summary(report)
+    unrefined = {**report, "config": {**report["config"], "prune": PruneOptions().to_dict()}}  # the default: none
+    assert "-> refined mask" not in summary(unrefined) and "start mask" in summary(unrefined)
     assert [t["block"] for t in report["block_tunes"]] == [0, 1]  # the default tunes every block
     assert all(t["holdout_after"] <= t["holdout_before"] for t in report["block_tunes"])
     assert "block tuning (2 blocks)" in summary(report)

@@ -14,7 +14,7 @@ import torch
 import torch.multiprocessing as mp
 from transformers import AutoModelForCausalLM
 
-from sparseswaps_prune.core.spec import build_spec
+from sparseswaps_prune.core.spec import SPARSESWAPS_SPEC, build_spec
 from sparseswaps_prune.llm import pipeline, streaming
 from sparseswaps_prune.llm.checkpoint import CheckpointMismatch
 from sparseswaps_prune.llm.distributed import plan_work
@@ -77,7 +77,11 @@ def in_memory(source: Path, out: Path, options: PruneOptions, dtype: torch.dtype
 )
 def test_streaming_equals_in_memory_bit_for_bit(tmp_path, arch, weights, stored, dtype):
     source = save_source(tmp_path / "src", arch, stored)
-    spec = build_spec(max_iters=1) if weights is None else build_spec(max_iters=1, weights=weights)
+    spec = (
+        build_spec(SPARSESWAPS_SPEC, max_iters=1)
+        if weights is None
+        else build_spec(SPARSESWAPS_SPEC, max_iters=1, weights=weights)
+    )
     options = PruneOptions(spec=spec)
     held = calib(2, seed=1) if weights is None else None
     model, result = in_memory(source, tmp_path / "mem", options, dtype, holdout_tokens=held)
@@ -122,7 +126,7 @@ def test_one_block_in_memory_at_a_time_and_report(tmp_path, monkeypatch):
 
     monkeypatch.setattr(streaming, "_skeleton", skeleton)
     monkeypatch.setattr(pipeline, "_process_block", spy)
-    options = PruneOptions(spec=build_spec(max_iters=1, weights="keep"))
+    options = PruneOptions(spec=build_spec(SPARSESWAPS_SPEC, max_iters=1, weights="keep"))
     result = prune_checkpoint(source, tmp_path / "out", calib(), options, max_shard_size=SHARD, progress=False)
     assert [s[0] for s in seen] == [0, 1, 2]
     for index, loaded, head_device, embeddings in seen:
@@ -151,7 +155,7 @@ def test_single_file_checkpoint_other_files_and_stale_shards(tmp_path):
     out.mkdir()
     (out / "model-00001-of-00009.safetensors").write_bytes(b"stale")  # an earlier save's shard
     (out / "notes.txt").write_text("kept")
-    options = PruneOptions(spec=build_spec(max_iters=1, weights="keep"))
+    options = PruneOptions(spec=build_spec(SPARSESWAPS_SPEC, max_iters=1, weights="keep"))
     result = prune_checkpoint(source, out, calib(), options, progress=False)
     assert "model.safetensors.index.json" not in result.files
     assert sorted(os.listdir(out)) == sorted(
@@ -167,7 +171,7 @@ def test_single_file_checkpoint_other_files_and_stale_shards(tmp_path):
 
 def test_refusals_write_nothing(tmp_path):
     source = save_source(tmp_path / "src", "llama")
-    options = PruneOptions(spec=build_spec(max_iters=1))
+    options = PruneOptions(spec=build_spec(SPARSESWAPS_SPEC, max_iters=1))
     with pytest.raises(ValueError, match="source directory"):
         prune_checkpoint(source, source, calib(), options, progress=False)
     with pytest.raises(ValueError, match="no linear layer"):
@@ -240,7 +244,9 @@ def _ranks_worker(rank: int, world_size: int, tmp: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=world_size)
     try:
-        options = PruneOptions(spec=build_spec(max_iters=1), block_tune_epochs=0)  # as the one process it equals
+        options = PruneOptions(
+            spec=build_spec(SPARSESWAPS_SPEC, max_iters=1), block_tune_epochs=0
+        )  # as the one process it equals
         model = AutoModelForCausalLM.from_pretrained(f"{tmp}/src").eval()
         result = prune_model(model, calib(), options, progress=False, holdout_tokens=calib(2, seed=1), distributed=True)
         finalize(model)
@@ -267,7 +273,7 @@ def test_two_gloo_ranks_equal_one_process(tmp_path):
     start costs seconds)."""
     source = save_source(tmp_path / "src", "llama", num_hidden_layers=3)
     # untuned: block tuning's backward passes round differently with another number of threads per process
-    options = PruneOptions(spec=build_spec(max_iters=1), block_tune_epochs=0)
+    options = PruneOptions(spec=build_spec(SPARSESWAPS_SPEC, max_iters=1), block_tune_epochs=0)
     model, result = in_memory(source, tmp_path / "one", options, torch.float32, holdout_tokens=calib(2, seed=1))
     mp.spawn(_ranks_worker, args=(2, str(tmp_path)), nprocs=2, join=True)
     expected = model.state_dict()
@@ -295,7 +301,7 @@ def test_two_gloo_ranks_equal_one_process(tmp_path):
 
 N_BLOCKS = 4
 RESUME_OPTIONS = PruneOptions(
-    spec=build_spec(max_iters=1), block_tune_epochs=0
+    spec=build_spec(SPARSESWAPS_SPEC, max_iters=1), block_tune_epochs=0
 )  # untuned: the call counts are those of the pruned streams
 
 
@@ -395,7 +401,7 @@ def test_interrupted_close_resumes(resume_case, interrupted_run, monkeypatch):
     ("change", "match"),
     [
         (
-            {"options": PruneOptions(spec=build_spec(max_iters=2), block_tune_epochs=0)},
+            {"options": PruneOptions(spec=build_spec(SPARSESWAPS_SPEC, max_iters=2), block_tune_epochs=0)},
             r"other options: spec\.refine\.max_iters 1 -> 2",
         ),
         ({"holdout_tokens": calib(2, seed=2)}, "other holdout windows"),
@@ -448,7 +454,7 @@ def _interrupt_and_resume(rank: int, tmp: Path) -> None:
 
 # One layer in each of blocks 0 and 1 (the stream still reads, forwards and writes all 30 blocks).
 GGUF_OPTIONS = PruneOptions(
-    spec=build_spec(max_iters=1, weights="keep"),
+    spec=build_spec(SPARSESWAPS_SPEC, max_iters=1, weights="keep"),
     include=["model.layers.0.self_attn.q_proj", "model.layers.1.self_attn.o_proj"],
 )
 
