@@ -3,8 +3,9 @@
 # and this checkout on PYTHONPATH. Each step is bounded by `timeout` so that one slow step leaves the others' output.
 #   bash benchmarks/gpu_figures.sh [OUTDIR] [STAGE]      # STAGE: short (default: all), pipeline, lazy (the re-fit
 #   objective's lazy state against the eager Triton engine), refit (the re-fit objective's engines at 2 to 1536 rows
-#   per batch), tiles (the Triton pair scan's tile shapes), swaps (2 blocks of 8B with SparseSwaps' spec, the
-#   default until 2026-11-27; the stage was called default), or swaps-full (all 32 blocks); several stages comma-separated
+#   per batch), tiles (the Triton pair scan's tile shapes), default (2 blocks of 8B with the default: ALPS's
+#   solution, 3 tuning epochs), swaps (2 blocks of 8B with SparseSwaps' spec, the default until 2026-11-27; the
+#   stage was called default then), or swaps-full (all 32 blocks); several stages comma-separated
 #   (e.g. tiles,refit) run one after the other in one call (one machine start)
 set -u -o pipefail
 out=${1:-gpu_out}; stages=${2:-short}; mkdir -p "$out"
@@ -75,6 +76,9 @@ if [ "$stage" = short ] || [ "$stage" = pipeline ]; then
     --json "$out/llm_pipeline_8b_2blocks.json"
   step 240 python3 benchmarks/llm_pipeline.py --model llama-3.1-8b --blocks 2 --iters 25 --block-tune-epochs 5 \
     --device cuda --json "$out/llm_pipeline_8b_2blocks_tuned.json"
+elif [ "$stage" = default ]; then  # the default (ALPS's solution, 3 tuning epochs) on 2 of 32 blocks: not timed yet
+  step 480 python3 benchmarks/llm_pipeline.py --model llama-3.1-8b --blocks 2 --recipe default --block-tune-epochs 3 \
+    --device cuda --json "$out/llm_pipeline_8b_default_alps.json"
 elif [ "$stage" = swaps ]; then  # SparseSwaps' spec (T=10, 10 tuning epochs) on 2 of 32 blocks: about 2 min on an H200
   step 330 python3 benchmarks/llm_pipeline.py --model llama-3.1-8b --blocks 2 --iters 10 --block-tune-epochs 10 \
     --device cuda --json "$out/llm_pipeline_8b_default.json"

@@ -51,7 +51,7 @@ from torch import nn
 from sparseswaps_prune.core.backends import resolve_backend
 from sparseswaps_prune.core.layer import prune_layer
 from sparseswaps_prune.core.refine import ROW_BATCH_ELEMENTS
-from sparseswaps_prune.core.spec import SCORES, SPARSESWAPS_SPEC, build_spec
+from sparseswaps_prune.core.spec import RECIPES, SCORES, SPARSESWAPS_SPEC, SwapRefine, build_spec
 from sparseswaps_prune.llm import pipeline
 from sparseswaps_prune.llm.layers import find_blocks
 from sparseswaps_prune.llm.pipeline import PruneOptions, finalize, prune_model
@@ -332,7 +332,7 @@ def run_once(
             }
         )
     return {
-        "iters": options.spec.refine.max_iters,
+        "iters": getattr(options.spec.refine, "max_iters", 0),  # 0 where nothing swaps (e.g. the default)
         "prune_seconds": end - start,
         "capture_seconds": capture,
         "mean_block_seconds": mean_block,
@@ -574,6 +574,13 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         default=0,
         help="block tuning epochs after each block (default 0: this benchmark times the swaps, not the tuning)",
     )
+    parser.add_argument(
+        "--recipe",
+        choices=tuple(RECIPES),
+        default=None,
+        help="time a named spec at --sparsity/--nm instead of the --start/--objective/--weights sweep (e.g. default: "
+        "ALPS's solution; a recipe that does not swap runs once, --iters ignored)",
+    )
     parser.add_argument("--json", default=None, help="write the rows (with per-block and per-layer figures) here")
     parser.add_argument("--memory-plan", choices=tuple(LLAMA_CONFIGS), default=None, help="print it and exit")
     args = parser.parse_args(argv)
@@ -606,10 +613,17 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         if args.model in LLAMA_CONFIGS
         else f"model: {args.model} ({dtype_name})"
     )
+    if args.recipe:
+        recipe = build_spec(RECIPES[args.recipe], sparsity=sparsity, nm=nm)
+        swaps = isinstance(recipe.refine, SwapRefine)
+        iters_list = args.iters if swaps else [0]
+        method = f"--recipe {args.recipe}: {recipe.describe()}"
+    else:
+        recipe, iters_list = None, args.iters
+        method = f"{args.start} start, {args.nm or f'{sparsity:.0%} per row'}, {args.objective} objective"
     print(
         f"calibration: {nsamples} x {seqlen} {args.calib} tokens (seed {args.seed}), batch {args.batch_size}; "
-        f"{args.start} start, {args.nm or f'{sparsity:.0%} per row'}, {args.objective} objective, "
-        f"search backend {backend}, block tuning {args.block_tune_epochs} epochs"
+        f"{method}, search backend {backend}, block tuning {args.block_tune_epochs} epochs"
     )
     if n_blocks < full_blocks:
         print(
@@ -623,22 +637,25 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         print("capture: input embeddings, rotary embedding and block 0 moved to the device before each run")
 
     warm_up(device, nm)
-    snapshot = snapshot_blocks(model) if len(args.iters) > 1 else None
+    snapshot = snapshot_blocks(model) if len(iters_list) > 1 else None
     rows = []
-    for i, iters in enumerate(args.iters):
+    for i, iters in enumerate(iters_list):
         if i:
             restore_blocks(model, snapshot)
         # the re-fit objective yields its re-fitted weights itself (weights="ls"; no held-out windows: unguarded)
         weights = {"weights": "ls", "guard": False} if args.objective == "refit" else {"weights": "keep"}
-        spec = build_spec(
-            SPARSESWAPS_SPEC,
-            start=args.start,
-            sparsity=sparsity,
-            nm=nm,
-            max_iters=iters,
-            objective=args.objective,
-            **weights,
-        )
+        if recipe is not None:
+            spec = build_spec(recipe, max_iters=iters) if swaps else recipe
+        else:
+            spec = build_spec(
+                SPARSESWAPS_SPEC,
+                start=args.start,
+                sparsity=sparsity,
+                nm=nm,
+                max_iters=iters,
+                objective=args.objective,
+                **weights,
+            )
         options = PruneOptions(spec=spec, block_tune_epochs=args.block_tune_epochs)
         rows.append(run_once(model, tokens, options, device, args.batch_size, full_blocks))
         print(f"  T={iters}: prune_model {rows[-1]['prune_seconds']:.2f} s", flush=True)
@@ -686,6 +703,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             "calib": args.calib,
             "start": args.start,
             "objective": args.objective,
+            "recipe": args.recipe,
+            "spec": None if recipe is None else recipe.to_dict(),
             "sparsity": sparsity,
             "nm": list(nm) if nm else None,
             "backend": backend,
