@@ -152,7 +152,8 @@ def start_stage(
         if budget.nm is not None or not isinstance(start, ScoreStart):
             raise ValueError(
                 f"{'N:M' if budget.nm else start.name} pruning of an already pruned tensor is not supported; make "
-                "the earlier pruning permanent (prune.remove) or start from the dense weights"
+                "the earlier pruning permanent (prune.remove), start from the dense weights, or prune it again with "
+                "a score start per row or layer (e.g. spec=SPARSESWAPS_SPEC)"
             )
         scores = importance_scores(weight, start.score, gram).masked_fill(~prior_mask, float("-inf"))
         kept = prior_mask.sum(dim=1, keepdim=True)

@@ -156,6 +156,8 @@ def test_prior_mask_prunes_the_remaining_weights():
     assert torch.equal(out.keep_mask.sum(1), kept - torch.round(0.5 * kept).long())
     with pytest.raises(ValueError, match="already pruned"):
         prune_layer(weight, acc.gram, build_spec(SPARSESWAPS_SPEC, nm=(2, 4)), prior_mask=prior)
+    with pytest.raises(ValueError, match=r"alps pruning of an already pruned tensor.*SPARSESWAPS_SPEC"):
+        prune_layer(weight, acc.gram, prior_mask=prior)  # the default's ALPS start
 
 
 @pytest.mark.parametrize(
