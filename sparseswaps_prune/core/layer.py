@@ -248,6 +248,7 @@ def _prune_layer(
         check_keeps_some(budget.sparsity, weight.numel(), "the layer")
     if holdout_gram is not None:
         check_gram(holdout_gram, weight.shape[1], what="holdout_gram")
+    weight = weight.detach()  # a Parameter's graph must not reach the outcome's losses
     if prior_mask is not None:
         check_mask(prior_mask, weight, what="prior_mask")
         weight = torch.where(prior_mask, weight, 0.0)
