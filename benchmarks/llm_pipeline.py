@@ -642,11 +642,11 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     for i, iters in enumerate(iters_list):
         if i:
             restore_blocks(model, snapshot)
-        # the re-fit objective yields its re-fitted weights itself (weights="ls"; no held-out windows: unguarded)
-        weights = {"weights": "ls", "guard": False} if args.objective == "refit" else {"weights": "keep"}
         if recipe is not None:
             spec = build_spec(recipe, max_iters=iters) if swaps else recipe
         else:
+            # the re-fit objective yields its re-fitted weights itself (weights="ls"; no held-out windows: unguarded)
+            weights = {"weights": "ls", "guard": False} if args.objective == "refit" else {"weights": "keep"}
             spec = build_spec(
                 SPARSESWAPS_SPEC,
                 start=args.start,

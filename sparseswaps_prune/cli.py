@@ -25,10 +25,9 @@ from sparseswaps_prune.core.spec import (
     REFINES,
     SCOPES,
     SEARCH_BACKENDS,
+    SPARSESWAPS_SPEC,
     STARTS,
     WEIGHTS,
-    LeastSquares,
-    SwapRefine,
     build_spec,
 )
 from sparseswaps_prune.llm.block_tune import BLOCK_TUNE_EPOCHS, BLOCK_TUNE_LR, BLOCK_TUNE_SCHEDULE, SCHEDULES
@@ -200,7 +199,7 @@ def _add_prune_options(p: argparse.ArgumentParser) -> None:
     shown in the help) so that only the given ones change the default spec."""
     from sparseswaps_prune.llm.job import DEFAULT_HOLDOUT, JobConfig
 
-    spec, swaps = DEFAULT_SPEC, SwapRefine()
+    spec, swaps = DEFAULT_SPEC, SPARSESWAPS_SPEC.refine  # the SparseSwaps options' defaults: --recipe sparseswaps's
     p.add_argument(
         "--recipe", choices=tuple(RECIPES),
         help="start from a named spec, which the options below change (default: default, ALPS's mask and weights, then "
@@ -274,7 +273,7 @@ def _add_prune_options(p: argparse.ArgumentParser) -> None:
         "--ridge",
         choices=("mean", "diag"),
         help="ls/cg: mean = ridge damp*mean(diag G) towards zero; diag = least squares on G + damp*diag(G), "
-        f"towards the dense weights (the problem ADMM's update solves) (default {LeastSquares().ridge})",
+        f"towards the dense weights (the problem ADMM's update solves) (default {SPARSESWAPS_SPEC.weights.ridge})",
     )
     weights.add_argument(
         "--guard",

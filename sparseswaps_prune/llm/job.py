@@ -462,21 +462,19 @@ def summary(report: dict[str, Any]) -> str:
     options = PruneOptions.from_dict(report["config"]["prune"])
     lines = [format_table(layers), "", f"method: {options.describe()}"]
     refined = not isinstance(options.spec.refine, NoRefine)  # else the refined mask is the start mask
+    calib_refined = (
+        f"refined mask {t['loss_refined']:.6g} ({t['reduction']:.1%} lower; mean per-layer "
+        f"{t['mean_layer_reduction']:.1%}) -> "
+    )
     lines.append(
-        f"summed layer loss (calibration): start {t['loss_start']:.6g} -> "
-        + (
-            f"refined mask {t['loss_refined']:.6g} ({t['reduction']:.1%} lower; mean per-layer "
-            f"{t['mean_layer_reduction']:.1%}) -> "
-            if refined
-            else ""
-        )
-        + f"final weights {t['loss_final']:.6g} ({t['final_reduction']:.1%} below the start)"
+        f"summed layer loss (calibration): start {t['loss_start']:.6g} -> {calib_refined if refined else ''}final "
+        f"weights {t['loss_final']:.6g} ({t['final_reduction']:.1%} below the start)"
     )
     if t.get("holdout_start") is not None:
+        holdout_refined = f"refined mask {t['holdout_refined']:.6g} -> " if refined else ""
         lines.append(
-            f"summed layer loss (held-out): start {t['holdout_start']:.6g} -> "
-            + (f"refined mask {t['holdout_refined']:.6g} -> " if refined else "")
-            + f"final weights {t['holdout_final']:.6g}"
+            f"summed layer loss (held-out): start {t['holdout_start']:.6g} -> {holdout_refined}final weights "
+            f"{t['holdout_final']:.6g}"
         )
     tunes = report.get("block_tunes") or []
     if tunes:
