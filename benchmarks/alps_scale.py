@@ -15,7 +15,7 @@ it; at most 300). So, for every distinct shape of a LLaMA-3.1-8B block (``--shap
   ``full`` runs, the largest of ``--smollm2`` and ALPS's cap of 300, and printed as such.
 
 With ``--smollm2 N`` it first runs ALPS on every linear layer of the default model's first ``N`` blocks (real
-Grams of 48 x 256 built-in calibration tokens, the default size) and prints the iteration counts, to show how many
+Grams of 48 x 256 built-in calibration tokens) and prints the iteration counts, to show how many
 iterations real layers take.
 
 Peak memory: the process's peak resident set (``VmHWM``, reset through ``/proc/self/clear_refs`` before each call)

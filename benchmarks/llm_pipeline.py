@@ -101,7 +101,7 @@ LLAMA_CONFIGS: dict[str, dict[str, Any]] = {
 }
 MODELS = (*LLAMA_CONFIGS, "smollm2", "tiny")
 # Calibration defaults per model: the paper's 128 x 2048 for LLaMA, 16 x 256 for SmolLM2 (the main job's until
-# 2026-11-27, kept so that this script's timings stay comparable; the main job now calibrates on 48 windows).
+# 2026-11-27, kept so that this script's timings stay comparable; the main job now calibrates on 64 windows).
 DEFAULT_CALIB = {"llama-3.1-8b": (128, 2048), "llama-3.1-70b": (128, 2048), "smollm2": (16, 256), "tiny": (2, 32)}
 
 

@@ -1,7 +1,7 @@
 """Time ``prune_model`` on the first K blocks of the default model, for A/B timings of two commits on one host.
 
 Runs the main job's pruning step as it was until 2026-11-27 (SmolLM2-135M-Instruct, 16 x 256 built-in calibration
-windows and 8 held-out windows, batch 4, ``keep_dense=True``; the main job now calibrates on 48 windows) on the
+windows and 8 held-out windows, batch 4, ``keep_dense=True``; the main job now calibrates on 64 windows) on the
 decoder blocks ``0 .. K-1`` and prints the seconds and the summed final layer loss (equal losses: the same
 computation). ``MODE`` is ``default`` (``DEFAULT_SPEC``) or ``olddefault`` (the
 default until 2026-11-25: T=25, guarded least squares with ridge ``1e-3 * mean(diag G)``); ``ckpt`` adds a

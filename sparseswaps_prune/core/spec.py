@@ -559,7 +559,7 @@ DEFAULT_SPEC = PruneSpec(
     budget=Budget(sparsity=0.6, scope="layer"), start=ALPSStart(), refine=NoRefine(), weights=StartWeights()
 )
 """The default: 60% per layer, ALPS's mask and weights (Meng et al. 2024, ``core.alps.alps_prune``; with ``nm`` a
-per-row N:M selection). With the pipeline's block tuning after it (``PruneOptions``: 3 epochs at 48 calibration
+per-row N:M selection). With the pipeline's block tuning after it (``PruneOptions``: 3 epochs; the job calibrates on 64
 windows), the best combination measured within the main job's 10-minute CPU budget, at 60%, 70% and 2:4 (RESULTS.md
 "The default since 2026-11-27"). Without block tuning it is ALPS as published (the ``alps`` recipe)."""
 

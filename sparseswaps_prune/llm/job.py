@@ -95,7 +95,7 @@ class JobConfig:
     gguf_file: str | None = None
     prune: PruneOptions = field(default_factory=PruneOptions)
     calib: str = "builtin"
-    nsamples: int = 48
+    nsamples: int = 64
     seqlen: int = 256
     holdout: int = DEFAULT_HOLDOUT
     eval: str | None = "builtin"
