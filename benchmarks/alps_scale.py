@@ -90,7 +90,7 @@ def measured_call(weight: torch.Tensor, gram: torch.Tensor, sparsity: float, max
 
 def smollm2_iterations(blocks: int, sparsity: float) -> list[int]:
     """ALPS's iteration count on every linear layer of the default model's first ``blocks`` blocks."""
-    weights, grams = common.capture_grams(list(range(blocks)), 48, 48, 0, 256)
+    weights, grams = common.capture_grams(list(range(blocks)), 0, 48, 0, 256)  # only the "large" Grams, once
     print(f"\nALPS on the default model (SmolLM2-135M), first {blocks} blocks, 48 x 256 calibration, {sparsity:.0%}:")
     counts = []
     for name, weight in weights.items():
@@ -128,8 +128,8 @@ def main() -> None:
             row["full"] = measured_call(weight, gram, args.sparsity, ALPS_MAX_ITER)
         row["low"] = measured_call(weight, gram, args.sparsity, low)
         row["high"] = measured_call(weight, gram, args.sparsity, high)
-        for key in ("low", "high"):
-            if row[key][1] != (low if key == "low" else high):
+        for key, cap in (("low", low), ("high", high)):
+            if row[key][1] != cap:
                 raise RuntimeError(f"{d_out}x{d_in}: ALPS stopped after {row[key][1]} iterations; raise --iters")
         rows[(d_out, d_in)] = row
         del weight, gram
@@ -146,7 +146,6 @@ def main() -> None:
     header += "".join(f" {f'at {n} it':>10s}" for n in iteration_counts)
     print(header)
     block = dict.fromkeys(["full", *iteration_counts], 0.0)
-    block_known = True
     for shape, row in rows.items():
         t_low, t_high = row["low"][0], row["high"][0]
         per_iter = (t_high - t_low) / (high - low)
@@ -161,15 +160,13 @@ def main() -> None:
             block[n] += len(layers) * est
         if "full" in row:
             block["full"] += len(layers) * row["full"][0]
-        else:
-            block_known = False
         print(line)
     if set(rows) == set(LLAMA_8B_SHAPES):
         parts = [
             f"{n} it: {block[n] / 60:.1f} min (extrapolated), x 32 blocks {32 * block[n] / 3600:.1f} h"
             for n in iteration_counts
         ]
-        if block_known:
+        if all("full" in row for row in rows.values()):
             parts.insert(0, f"measured full runs: {block['full'] / 60:.1f} min")
         print("one LLaMA-3.1-8B block, ALPS on its 7 layers: " + "; ".join(parts))
 
