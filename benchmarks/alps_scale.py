@@ -18,10 +18,10 @@ With ``--smollm2 N`` it first runs ALPS on every linear layer of the default mod
 Grams of 48 x 256 built-in calibration tokens) and prints the iteration counts, to show how many
 iterations real layers take.
 
-Peak memory: the process's peak resident set (``VmHWM``, reset through ``/proc/self/clear_refs`` before each call)
-less the resident set just before the call (the weight and Gram already held), in GB = 1e9 bytes. Per block: the
-sums over q, k, v, o (``4096 x 4096`` twice, ``1024 x 4096`` twice), gate and up (``14336 x 4096``) and down
-(``4096 x 14336``).
+Peak memory: the process's peak resident set (``MemoryProbe``: ``VmHWM``, reset through ``/proc/self/clear_refs``
+before each call) less the resident set just before the call (the weight and Gram already held), in GB = 1e9 bytes.
+Per block: the sums over q, k, v, o (``4096 x 4096`` twice, ``1024 x 4096`` twice), gate and up (``14336 x 4096``)
+and down (``4096 x 14336``).
 
     python benchmarks/alps_scale.py --full 1024x4096 4096x4096 --iters 3 6 --smollm2 2
 """
@@ -36,6 +36,7 @@ import common
 import torch
 
 from sparseswaps_prune.core.alps import ALPS_MAX_ITER, alps_prune
+from sparseswaps_prune.llm.streaming import MemoryProbe
 
 GB = 1e9
 # LLaMA-3.1-8B (hidden 4096, intermediate 14336, 8 KV heads of 128): [d_out, d_in] -> the block's layers of that shape.
@@ -69,23 +70,13 @@ def llm_like_layer(d_out: int, d_in: int, seed: int = 0) -> tuple[torch.Tensor, 
     return weight, gram
 
 
-def _rss(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
 def measured_call(weight: torch.Tensor, gram: torch.Tensor, sparsity: float, max_iter: int) -> tuple[float, int, float]:
     """One ``alps_prune`` call: ``(seconds, ADMM iterations run, +peak GB over the resident set before it)``."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    before = _rss("VmRSS")
+    probe = MemoryProbe()  # resets the peak resident set
     t0 = time.perf_counter()
     iters = alps_prune(weight, gram, sparsity=sparsity, max_iter=max_iter).admm_iters
     seconds = time.perf_counter() - t0
-    return seconds, iters, (_rss("VmHWM") - before) / GB
+    return seconds, iters, (probe.peak() - probe.start) / GB
 
 
 def smollm2_iterations(blocks: int, sparsity: float) -> list[int]:

@@ -22,8 +22,8 @@ if [ "$stage" = short ]; then
   step 150 python3 benchmarks/refit_swaps.py --device cuda --widths 576 1536 4096 --rows 64
 fi
 # the lazy state (refit_lazy: pending rank-one terms, the kernel's scan, its moves and scan terms in three kernels
-# or, lazy-torch, in torch operations) against the eager Triton engine, and where its iteration's time goes:
-# estimated ~4 min on an H200 (not run yet; the log keeps what finished if the call's limit cuts it)
+# or, lazy-torch, in torch operations; what backend="auto" gives on CUDA) against the eager Triton engine, and where
+# its iteration's time goes: its first steps took ~3 min on an H200 (2026-11-27; BENCHMARKS.md "GPU")
 if [ "$stage" = lazy ]; then
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   python3 -c "import torch, triton; print(torch.__version__, triton.__version__)"
@@ -76,7 +76,7 @@ if [ "$stage" = short ] || [ "$stage" = pipeline ]; then
     --json "$out/llm_pipeline_8b_2blocks.json"
   step 240 python3 benchmarks/llm_pipeline.py --model llama-3.1-8b --blocks 2 --iters 25 --block-tune-epochs 5 \
     --device cuda --json "$out/llm_pipeline_8b_2blocks_tuned.json"
-elif [ "$stage" = default ]; then  # the default (ALPS's solution, 3 tuning epochs) on 2 of 32 blocks: not timed yet
+elif [ "$stage" = default ]; then  # the default (ALPS's solution, 3 tuning epochs) on 2 of 32 blocks: 2 min on an H200
   step 480 python3 benchmarks/llm_pipeline.py --model llama-3.1-8b --blocks 2 --recipe default --block-tune-epochs 3 \
     --device cuda --json "$out/llm_pipeline_8b_default_alps.json"
 elif [ "$stage" = swaps ]; then  # SparseSwaps' spec (T=10, 10 tuning epochs) on 2 of 32 blocks: about 2 min on an H200

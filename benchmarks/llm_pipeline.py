@@ -39,9 +39,8 @@ import itertools
 import json
 import os
 import platform
-import resource
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +54,7 @@ from sparseswaps_prune.core.spec import RECIPES, SCORES, SPARSESWAPS_SPEC, SwapR
 from sparseswaps_prune.llm import pipeline
 from sparseswaps_prune.llm.layers import find_blocks
 from sparseswaps_prune.llm.pipeline import PruneOptions, finalize, prune_model
+from sparseswaps_prune.llm.streaming import MemoryProbe
 
 GB = 1e9
 
@@ -208,30 +208,14 @@ def block_clock(device: torch.device) -> Iterator[list[float]]:
         pipeline._prune_block = original
 
 
-def _reset_peak(device: torch.device) -> str:
-    """Reset the peak-memory counter; returns what :func:`_peak` will measure."""
+def _peak_meter(device: torch.device) -> tuple[str, Callable[[], int]]:
+    """Reset the peak-memory counter; returns what it measures and the function that reads it (bytes):
+    CUDA's ``max_memory_allocated``, or the peak resident set of the process (``MemoryProbe``)."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-        return "cuda max_memory_allocated"
-    try:  # Linux: writing 5 to clear_refs resets the peak resident set (VmHWM) of this process
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return "peak RSS of this run"
-    except OSError:
-        return "peak RSS since the process started"
-
-
-def _peak(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+        return "cuda max_memory_allocated", lambda: torch.cuda.max_memory_allocated(device)
+    probe = MemoryProbe()
+    return ("peak RSS of this run" if probe.since == "call" else "peak RSS since the process started"), probe.peak
 
 
 def snapshot_blocks(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -299,14 +283,14 @@ def run_once(
     """One ``prune_model`` run; returns its row (times, memory, losses, per-block and per-layer figures)."""
     n_blocks = len(find_blocks(model)[1])
     _place_for_capture(model, device)
-    peak_kind = _reset_peak(device)
+    peak_kind, read_peak = _peak_meter(device)
     with block_clock(device) as marks:
         _sync(device)
         start = time.perf_counter()
         result = prune_model(model, tokens, options, device=device, batch_size=batch_size, progress=False)
         _sync(device)
         end = time.perf_counter()
-    peak = _peak(device)
+    peak = read_peak()
     stale = _stale_device_bytes(model)
     if len(marks) != n_blocks:
         raise RuntimeError(

@@ -584,8 +584,9 @@ def refine_mask(
         backend: swap search of the mask objective: ``"auto"`` (compiled numba kernel on CPU, fused Triton kernel
             on CUDA when triton is installed, torch elsewhere), ``"torch"``, ``"numba"`` or ``"triton"``. The
             re-fit objective: ``"auto"`` and ``"numba"`` run its compiled CPU engine
-            (:mod:`~sparseswaps_prune.core.backends.refit_numba`) on the CPU, ``"auto"`` and ``"triton"`` its fused
-            Triton kernels (:mod:`~sparseswaps_prune.core.backends.refit_triton`) on CUDA when triton is installed,
+            (:mod:`~sparseswaps_prune.core.backends.refit_numba`) on the CPU, ``"auto"`` its lazy state with Triton
+            kernels (:mod:`~sparseswaps_prune.core.backends.refit_lazy`) on CUDA when triton is installed,
+            ``"triton"`` the eager state's fused kernels (:mod:`~sparseswaps_prune.core.backends.refit_triton`),
             ``"torch"`` (and ``"auto"`` elsewhere) its torch reference; all choose the same swaps.
         resync_every: rebuild the float64 state (correlation vectors; for the re-fit objective ``H``, ``v``, ``Z``,
             by Cholesky) of the rows that moved from scratch every this many iterations.

@@ -199,7 +199,8 @@ def test_resolve_refit_backend(monkeypatch):
     with pytest.raises(ValueError, match="TRITON_INTERPRET"):
         resolve_refit_backend("triton", cpu)
     if torch.cuda.is_available():
-        assert resolve_refit_backend("auto", torch.device("cuda")) == "triton"
+        assert resolve_refit_backend("auto", torch.device("cuda")) == "lazy"
+        assert resolve_refit_backend("triton", torch.device("cuda")) == "triton"
         assert resolve_refit_backend("torch", torch.device("cuda")) == "torch"
 
 

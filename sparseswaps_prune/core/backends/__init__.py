@@ -65,17 +65,20 @@ def resolve_backend(backend: str, device: torch.device, nm: tuple[int, int] | No
 
 def resolve_refit_backend(backend: str, device: torch.device) -> str:
     """Engine of the re-fit objective: ``"numba"`` (compiled, :mod:`.refit_numba`) for ``auto`` and ``numba`` on the
-    CPU; ``"triton"`` (fused kernels, :mod:`.refit_triton`) for ``auto`` on CUDA when triton is installed and for
-    ``triton`` (off CUDA only in the interpreter, as :func:`resolve_backend`); ``"torch"`` (the reference,
-    :mod:`~sparseswaps_prune.core.refit_swaps`) otherwise. ``numba`` off the CPU is an error. All engines choose the
-    same swaps."""
+    CPU; ``"lazy"`` (the lazy state of :mod:`.refit_lazy` with its Triton kernels) for ``auto`` on CUDA when triton
+    is installed (an iteration 2.3-4.6x faster than the eager engine's on an H200, BENCHMARKS.md "GPU"); ``"triton"``
+    (the eager state's fused kernels, :mod:`.refit_triton`) for ``triton`` (off CUDA only in the interpreter, as
+    :func:`resolve_backend`); ``"torch"`` (the reference, :mod:`~sparseswaps_prune.core.refit_swaps`) otherwise.
+    ``numba`` off the CPU is an error. All engines choose the same swaps."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown swap-search backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     if backend == "numba" and device.type != "cpu":
         raise ValueError(f"backend='numba' runs on the CPU only, but the refinement device is {device}")
     if backend in ("auto", "numba") and device.type == "cpu":
         return "numba"
-    if backend == "triton" or (backend == "auto" and device.type == "cuda" and triton_available()):
+    if backend == "auto" and device.type == "cuda" and triton_available():
+        return "lazy"
+    if backend == "triton":
         return resolve_backend("triton", device, None)  # the same availability checks and errors
     return "torch"
 

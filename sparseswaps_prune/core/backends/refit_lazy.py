@@ -37,8 +37,11 @@ FACTOR_SLOTS = 64
 # third (one launch each per call, against dozens of torch operations); False: batched torch operations (an A/B).
 FUSED = True
 
-# Elements of the [rows, Q, K] temporaries of one build chunk (32 MiB float64 each).
+# Elements of the [rows, Q, K] temporaries of one build chunk: 32 MiB float64 each on the CPU; on CUDA 512 MiB
+# (BUILD_ELEMENTS_CUDA), since batched Cholesky factors and products of a few rows leave the GPU idle (one row per
+# chunk at 4096 inputs built 3.2x slower than the eager engine's whole-batch build: BENCHMARKS.md, "GPU").
 BUILD_ELEMENTS = 1 << 22
+BUILD_ELEMENTS_CUDA = 1 << 28
 
 
 def _as_slice(rows: torch.Tensor) -> torch.Tensor | slice:
@@ -138,7 +141,8 @@ class LazyRefitState:
             ValueError: ``G_SS + lambda I`` is not positive definite for some rows (names them; raise ``damp``).
         """
         k_slots, q_slots = self.slots
-        chunk = max(1, BUILD_ELEMENTS // max(1, k_slots * q_slots))
+        elements = BUILD_ELEMENTS_CUDA if self.w64.device.type == "cuda" else BUILD_ELEMENTS
+        chunk = max(1, elements // max(1, k_slots * q_slots))
         names = rows + row_offset if isinstance(row_offset, int) else row_offset
         for c0 in range(0, rows.numel(), chunk):
             sub = rows[c0 : c0 + chunk]
