@@ -240,7 +240,9 @@ def test_swap_slots_and_the_scan_after_it_are_bit_identical_to_the_reference(nm,
     if tile is not None:  # several tiles per row: the update's edges, the scan's running minimum
         monkeypatch.setattr(refit_triton, "SCAN_TILE", tile)
         monkeypatch.setattr(refit_triton, "OUTER_TILE", tile)
-    weight, gram, keep = _layer(7, 300, seed=4, nm=nm)
+    # narrow tiles: 132 inputs still give several tiles per row with ragged edges (66 or 79 pruned slots, ...) at a
+    # fifth of the interpreter's work
+    weight, gram, keep = _layer(7, 300 if tile is None else 132, seed=4, nm=nm)
     state, lam = _state(weight, gram, keep)
     floor = rs.pivot_floor(gram, lam)
     m = nm[1] if nm else None
@@ -303,7 +305,7 @@ def test_the_scan_of_a_lazy_state_reads_its_pending_terms(nm):
 @pytest.mark.parametrize(
     "scope,nm,d_in,iters,slots",
     [("row", None, 32, 40, 4), ("row", (2, 4), 32, 40, 4), ("layer", None, 32, 40, 4),
-     ("row", None, 300, 12, 8), ("row", (2, 4), 300, 12, 8)],  # over several of the kernels' blocks of slots
+     ("row", None, 300, 6, 4), ("row", (2, 4), 300, 6, 4)],  # over several of the kernels' blocks of slots
 )  # fmt: skip
 def test_the_lazy_states_kernels_choose_the_torch_engines_swaps(scope, nm, d_in, iters, slots, monkeypatch):
     """The lazy state with the kernel's scan and its moves in the two kernels of ``refit_lazy_triton`` (swaps, and

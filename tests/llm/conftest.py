@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from sparseswaps_prune.llm.models import default_tokenizer, load_model, tiny_model
+from sparseswaps_prune.llm.models import default_tokenizer, tiny_model
 
 DATA_DIR = Path(__file__).resolve().parent.parent / "data"
 
@@ -19,13 +19,6 @@ def tiny_tokenizer():
 
     Shared across tests: do not mutate it (``copy.deepcopy`` it first)."""
     return default_tokenizer()
-
-
-@pytest.fixture(scope="session")
-def default_lm():
-    """``(model, tokenizer)`` of the packaged SmolLM2-135M GGUF (about 15 s to load on CPU), loaded
-    once per session; only for tests marked ``slow``. Shared: do not modify the model."""
-    return load_model()
 
 
 @pytest.fixture

@@ -3,6 +3,7 @@ in-memory pipeline on tiny random models saved as sharded safetensors."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import os
@@ -460,15 +461,13 @@ GGUF_OPTIONS = PruneOptions(
 
 
 @pytest.fixture(scope="module")
-def gguf_case(tmp_path_factory):
-    """The packaged SmolLM2 GGUF (30 blocks; one layer of blocks 0 and 1 pruned) in memory (``load_model`` +
-    ``prune_model`` + ``finalize`` + ``save_pretrained``, and the tokenizer) and block by block from the GGUF (the
-    same run records which blocks and whether the embeddings held weights when each block was pruned, and keeps its
-    reader); one run each."""
-    from sparseswaps_prune.llm.models import load_model
-
+def gguf_case(tmp_path_factory, default_lm):
+    """The packaged SmolLM2 GGUF (30 blocks; one layer of blocks 0 and 1 pruned) in memory (``load_model``, a copy
+    of the session's ``default_lm``, + ``prune_model`` + ``finalize`` + ``save_pretrained``, and the tokenizer) and
+    block by block from the GGUF (the same run records which blocks and whether the embeddings held weights when each
+    block was pruned, and keeps its reader); one run each."""
     root = tmp_path_factory.mktemp("gguf")
-    model, tokenizer = load_model()
+    model, tokenizer = copy.deepcopy(default_lm[0]), default_lm[1]
     loaded = {key: value.clone() for key, value in model.state_dict().items()}
     result = prune_model(model, calib(), GGUF_OPTIONS, progress=False)
     finalize(model)

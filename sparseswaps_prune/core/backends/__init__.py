@@ -66,7 +66,7 @@ def resolve_backend(backend: str, device: torch.device, nm: tuple[int, int] | No
 def resolve_refit_backend(backend: str, device: torch.device) -> str:
     """Engine of the re-fit objective: ``"numba"`` (compiled, :mod:`.refit_numba`) for ``auto`` and ``numba`` on the
     CPU; ``"lazy"`` (the lazy state of :mod:`.refit_lazy` with its Triton kernels) for ``auto`` on CUDA when triton
-    is installed (an iteration 2.3-4.6x faster than the eager engine's on an H200, BENCHMARKS.md "GPU"); ``"triton"``
+    is installed (an iteration 3.2-5.8x faster than the eager engine's on an H200, BENCHMARKS.md "GPU"); ``"triton"``
     (the eager state's fused kernels, :mod:`.refit_triton`) for ``triton`` (off CUDA only in the interpreter, as
     :func:`resolve_backend`); ``"torch"`` (the reference, :mod:`~sparseswaps_prune.core.refit_swaps`) otherwise.
     ``numba`` off the CPU is an error. All engines choose the same swaps."""
