@@ -37,7 +37,7 @@ FACTOR_SLOTS = 64
 # third (one launch each per call, against dozens of torch operations); False: batched torch operations (an A/B).
 FUSED = True
 
-# Elements of the [rows, Q, K] temporaries of one build chunk: 32 MiB float64 each on the CPU; on CUDA 512 MiB
+# Elements of the [rows, Q, K] temporaries of one build chunk: 32 MiB float64 each on the CPU; on CUDA 2 GiB
 # (BUILD_ELEMENTS_CUDA), since batched Cholesky factors and products of a few rows leave the GPU idle (one row per
 # chunk at 4096 inputs built 3.2x slower than the eager engine's whole-batch build: BENCHMARKS.md, "GPU").
 BUILD_ELEMENTS = 1 << 22
