@@ -19,14 +19,15 @@ from sparseswaps_prune.core.backends.gram_gather import gather_gram
 from sparseswaps_prune.core.gram import GramAccumulator
 from sparseswaps_prune.core.refine import Figures
 from sparseswaps_prune.core.refit import REFIT_DAMP, factor_kept
-from sparseswaps_prune.core.spec import RECIPES, DSnoTRefine, PruneSpec, SwapRefine, build_spec
+from sparseswaps_prune.core.spec import DSnoTRefine, PruneSpec, SwapRefine, build_spec
 from sparseswaps_prune.core.warmstart import warmstart_mask
-from sparseswaps_prune.llm.block_tune import BLOCK_TUNE_EPOCHS, BLOCK_TUNE_LR, BLOCK_TUNE_SCHEDULE
+from sparseswaps_prune.llm.block_tune import BLOCK_TUNE_LR, BLOCK_TUNE_SCHEDULE
 from sparseswaps_prune.llm.data import load_calibration
 from sparseswaps_prune.llm.layers import find_blocks
 from sparseswaps_prune.llm.models import load_model
 from sparseswaps_prune.llm.pipeline import PruneOptions
 from sparseswaps_prune.modules import find_layers, input_hooks
+from sparseswaps_prune.recipes import BLOCK_TUNE_EPOCHS, DEFAULT_RECIPE, RECIPES, recipe_name
 
 Grams = dict[str, dict[str, GramAccumulator]]  # layer name -> {"small", "large", "holdout"}
 
@@ -224,15 +225,13 @@ def capture_grams(blocks: list[int], small: int, large: int, holdout: int, seqle
     return weights, grams
 
 
-SETTING_BASE = "sparseswaps"
-"""The recipe a setting's options change unless it names one (``recipe=...``): ``RECIPES["sparseswaps"]`` (Wanda,
-SparseSwaps T=10, least-squares re-fit), the spec every setting of RESULTS.md was written against."""
+SETTING_BASE = "sparseswaps-refit"
+"""The recipe a setting's options change unless it names one (``recipe=...``): ``RECIPES["sparseswaps-refit"]``
+(Wanda, SparseSwaps T=10, least-squares re-fit), the spec every setting of RESULTS.md was written against."""
 
 
 def _recipe(name: str) -> str:
-    if name not in RECIPES:
-        raise ValueError(name)
-    return name
+    return recipe_name(name)  # a renamed recipe ("default": "best") warns
 
 
 # setting option (--extra) -> parser of its value (the recipe, the build_spec options, dsnot_skip, the pipeline's)
@@ -271,12 +270,12 @@ _WEIGHT_NAMES = {"start": "start weights", "admm_update": "admm update", "alps_u
 def parse_setting(text: str) -> dict[str, Any]:
     """``"start=admm,refine=none,max_iters=5"`` -> ``{"start": "admm", "refine": "none", "max_iters": 5}``;
     ``""`` -> ``{}`` (:data:`SETTING_BASE`'s recipe, without block tuning); ``"recipe=alps"`` -> ``{"recipe":
-    "alps"}`` (that recipe's spec as the base); ``"default"`` -> ``{"recipe": "default", "tune":
-    BLOCK_TUNE_EPOCHS}``: the CLI's default, DEFAULT_SPEC with its block tuning (``PruneOptions()``)."""
+    "alps"}`` (that recipe's spec as the base); ``"default"`` -> ``{"recipe": "best", "tune":
+    BLOCK_TUNE_EPOCHS}``: the CLI's default recipe with its block tuning (``PruneOptions()``)."""
     setting: dict[str, Any] = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
         if item == "default":
-            setting.setdefault("recipe", "default")
+            setting.setdefault("recipe", DEFAULT_RECIPE)
             setting.setdefault("tune", BLOCK_TUNE_EPOCHS)
             continue
         key, sep, value = item.partition("=")
@@ -294,8 +293,8 @@ def parse_setting(text: str) -> dict[str, Any]:
 
 
 def layer_setting(text: str) -> dict[str, Any]:
-    """:func:`parse_setting` for scripts that prune single layers: ``"default"`` is ``DEFAULT_SPEC`` there (the
-    default's block tuning is a pipeline stage, not a layer's)."""
+    """:func:`parse_setting` for scripts that prune single layers: ``"default"`` is the default recipe's layer spec
+    there (its block tuning is a pipeline stage, not a layer's)."""
     setting = parse_setting(text)
     if "default" in (part.strip() for part in text.split(",")) and setting.get("tune") == BLOCK_TUNE_EPOCHS:
         del setting["tune"]
@@ -303,7 +302,7 @@ def layer_setting(text: str) -> dict[str, Any]:
 
 
 def setting_spec(setting: dict[str, Any], pattern: str, max_iters: int) -> PruneSpec:
-    """The spec of one setting at one pattern: its recipe (``RECIPES[setting["recipe"]]``, default
+    """The spec of one setting at one pattern: its recipe (``RECIPES[setting["recipe"]].spec``, default
     :data:`SETTING_BASE`'s) with the pattern's budget (N:M selects per row), then ``setting``'s other options
     (``scope="layer"`` dropped at N:M), then T=``max_iters`` unless the setting gives ``max_iters`` or a recipe."""
     pipeline = sorted(setting.keys() & _PIPELINE_OPTIONS.keys())
@@ -318,7 +317,7 @@ def setting_spec(setting: dict[str, Any], pattern: str, max_iters: int) -> Prune
     recipe = options.pop("recipe", None)
     if budget["nm"] is not None and options.get("scope") == "layer":
         del options["scope"]
-    spec = build_spec(build_spec(RECIPES[recipe or SETTING_BASE], **budget), **options)
+    spec = build_spec(build_spec(RECIPES[recipe or SETTING_BASE].spec, **budget), **options)
     if isinstance(spec.refine, SwapRefine) and "max_iters" not in options and recipe is None:
         spec = dataclasses.replace(spec, refine=dataclasses.replace(spec.refine, max_iters=max_iters))
     if skip != "unset":
@@ -336,7 +335,7 @@ def setting_options(setting: dict[str, Any], pattern: str, max_iters: int) -> Pr
     fields = {"block_tune_epochs": 0}
     fields |= {_PIPELINE_OPTIONS[key]: value for key, value in setting.items() if key in _PIPELINE_OPTIONS}
     spec = setting_spec({k: v for k, v in setting.items() if k not in _PIPELINE_OPTIONS}, pattern, max_iters)
-    options = PruneOptions(spec=spec, **fields)
+    options = PruneOptions(spec=spec, **fields)  # recipe "best": rows saved before recipes existed stay readable
     options.validate()
     return options
 

@@ -19,13 +19,13 @@ table (and draws the plot) at once.
 
 Settings. A matrix row is ``build_spec(start=S, refine=R, weights=--weights)`` at the pattern (T=``--max-iters``
 for SparseSwaps). An ``--extra`` setting is a comma-separated list of
-:func:`~sparseswaps_prune.core.spec.build_spec` options applied on top of SparseSwaps' own spec
-(``SPARSESWAPS_SPEC``) at the pattern (Wanda start, SparseSwaps T=``--max-iters`` under the mask objective,
+:func:`~sparseswaps_prune.core.spec.build_spec` options applied on top of the ``sparseswaps-refit`` recipe's spec
+at the pattern (Wanda start, SparseSwaps T=``--max-iters`` under the mask objective,
 least-squares re-fit with ADMM's ridge ``G + 0.1 diag(G)``), or on top of the recipe ``recipe=NAME`` names: ``start``,
 ``start_damp``, ``scope``, ``refine``, ``max_iters``, ``eps``, ``objective``, ``search_dtype``, ``backend``,
 ``weights``, ``damp``, ``ridge``, ``guard`` (``true``/``false``), plus ``dsnot_skip`` (``DSnoTRefine.skip``; ``none``:
-refine every layer). ``default`` is :data:`~sparseswaps_prune.core.spec.DEFAULT_SPEC` with the CLI's block tuning
-(what ``sparseswaps prune`` runs); an empty string is SparseSwaps' spec untuned. The budget comes from
+refine every layer). ``default`` is the ``best`` recipe with its block tuning (what ``sparseswaps prune`` runs); an
+empty string is the ``sparseswaps-refit`` spec untuned. The budget comes from
 ``--patterns``; ``scope=layer`` is dropped at N:M patterns (N:M fixes every row's count, so layer-wise methods
 select per row there). Examples: ``start=admm,scope=layer,refine=none,weights=start`` (ADMM as published),
 ``start=sparsegpt,scope=layer,refine=none,weights=obs`` (SparseGPT as published), ``refine=none`` (Wanda +
@@ -73,12 +73,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import options_label, parse_setting, setting_options
+from common import SETTING_BASE, options_label, parse_setting, setting_options
 
 from sparseswaps_prune.atomic import atomic_write, save_json
 from sparseswaps_prune.core.spec import (
     REFINES,
-    SPARSESWAPS_SPEC,
     STARTS,
     WEIGHTS,
 )
@@ -88,6 +87,7 @@ from sparseswaps_prune.llm.job import JobConfig
 from sparseswaps_prune.llm.models import load_model
 from sparseswaps_prune.llm.pipeline import PruneOptions
 from sparseswaps_prune.llm.tasks import write_builtin_cloze_task
+from sparseswaps_prune.recipes import RECIPES
 
 PRESETS: dict[str, list[str]] = {
     "admm-alps": [
@@ -207,9 +207,9 @@ def main(
     parser.add_argument(
         "--max-iters",
         type=int,
-        default=SPARSESWAPS_SPEC.refine.max_iters,
+        default=RECIPES[SETTING_BASE].spec.refine.max_iters,
         help="SparseSwaps T unless a setting gives max_iters or a recipe (default "
-        f"{SPARSESWAPS_SPEC.refine.max_iters}, the sparseswaps recipe's)",
+        f"{RECIPES[SETTING_BASE].spec.refine.max_iters}, the {SETTING_BASE} recipe's)",
     )
     parser.add_argument("--nsamples", type=int, default=JobConfig.nsamples, help="calibration windows (the job's)")
     parser.add_argument("--holdout", type=int, default=JobConfig.holdout, help="held-out calibration windows")

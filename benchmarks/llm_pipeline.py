@@ -50,11 +50,12 @@ from torch import nn
 from sparseswaps_prune.core.backends import resolve_backend
 from sparseswaps_prune.core.layer import prune_layer
 from sparseswaps_prune.core.refine import ROW_BATCH_ELEMENTS
-from sparseswaps_prune.core.spec import RECIPES, SCORES, SPARSESWAPS_SPEC, SwapRefine, build_spec
+from sparseswaps_prune.core.spec import SCORES, SPARSESWAPS_SPEC, SwapRefine, build_spec
 from sparseswaps_prune.llm import pipeline
 from sparseswaps_prune.llm.layers import find_blocks
 from sparseswaps_prune.llm.pipeline import PruneOptions, finalize, prune_model
 from sparseswaps_prune.llm.streaming import MemoryProbe
+from sparseswaps_prune.recipes import RECIPES
 
 GB = 1e9
 
@@ -598,7 +599,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         else f"model: {args.model} ({dtype_name})"
     )
     if args.recipe:
-        recipe = build_spec(RECIPES[args.recipe], sparsity=sparsity, nm=nm)
+        recipe = build_spec(RECIPES[args.recipe].spec, sparsity=sparsity, nm=nm)
         swaps = isinstance(recipe.refine, SwapRefine)
         iters_list = args.iters if swaps else [0]
         method = f"--recipe {args.recipe}: {recipe.describe()}"

@@ -3,10 +3,10 @@
 Runs the main job's pruning step as it was until 2026-11-27 (SmolLM2-135M-Instruct, 16 x 256 built-in calibration
 windows and 8 held-out windows, batch 4, ``keep_dense=True``; the main job now calibrates on 64 windows) on the
 decoder blocks ``0 .. K-1`` and prints the seconds and the summed final layer loss (equal losses: the same
-computation). ``MODE`` is ``default`` (``DEFAULT_SPEC``) or ``olddefault`` (the
-default until 2026-11-25: T=25, guarded least squares with ridge ``1e-3 * mean(diag G)``); ``ckpt`` adds a
-checkpoint directory, as the main job has. It also runs against code from before the typed spec (issue 16), so an
-older commit can be timed on the same host:
+computation). ``MODE`` is ``default`` (the ``best`` recipe's layer spec, the former ``DEFAULT_SPEC``: ALPS's mask
+and weights) or ``olddefault`` (the default until 2026-11-25: Wanda, T=25, guarded least squares with ridge
+``1e-3 * mean(diag G)``); ``ckpt`` adds a checkpoint directory, as the main job has. It also runs against code from
+before the typed spec (issue 16), so an older commit can be timed on the same host:
 
     git worktree add /tmp/old 66ca5e0
     PYTHONPATH=/tmp/old python benchmarks/prune_time_ab.py 5 olddefault
@@ -39,8 +39,14 @@ def main(argv: list[str]) -> None:
     if "spec" in inspect.signature(pipeline.PruneOptions).parameters:
         from sparseswaps_prune.core.spec import PruneSpec, build_spec
 
-        spec = build_spec(PruneSpec(), ridge="mean", guard=True) if mode == "olddefault" else build_spec()
-        options = pipeline.PruneOptions(spec=spec, include=include)
+        try:
+            from sparseswaps_prune.recipes import RECIPES
+
+            default, swaps = RECIPES["best"].spec, RECIPES["sparseswaps-refit"].spec
+        except ImportError:  # before the recipes table: build_spec() was ALPS's, PruneSpec() the re-fit
+            default, swaps = build_spec(), PruneSpec()
+        olddefault = build_spec(swaps, max_iters=25, ridge="mean", guard=True)
+        options = pipeline.PruneOptions(spec=olddefault if mode == "olddefault" else default, include=include)
     elif mode == "olddefault":  # before the typed spec (2026-11-23)
         options = pipeline.PruneOptions(max_iters=25, refit="ls", holdout_guard=True, include=include)
     else:

@@ -13,7 +13,6 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from sparseswaps_prune import SPARSESWAPS_SPEC
 from sparseswaps_prune.callbacks import SparseSwapsPruning
 from sparseswaps_prune.llm.models import tiny_model
 
@@ -83,7 +82,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     pruning = SparseSwapsPruning(
         sparsity=args.sparsity,
         include=["*.mlp.*"],
-        spec=SPARSESWAPS_SPEC,  # Wanda -> SparseSwaps -> re-fit (the default spec is ALPS's mask and weights)
+        recipe="sparseswaps-refit",  # Wanda -> SparseSwaps -> re-fit (the default: SparseSwaps masks only)
         max_iters=50,
         calibration_batches=args.calibration_batches,
         mode=args.mode,

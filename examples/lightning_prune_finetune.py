@@ -20,7 +20,6 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader
 
-from sparseswaps_prune import SPARSESWAPS_SPEC
 from sparseswaps_prune.callbacks import SparseSwapsPruning
 from sparseswaps_prune.finetune import CausalLMModule
 from sparseswaps_prune.llm.data import load_calibration, load_eval_tokens
@@ -78,7 +77,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     module = CausalLMModule(model, adapter=args.adapter, rank=args.rank, lr=args.lr)
     pruning = SparseSwapsPruning(
         sparsity=args.sparsity,
-        spec=SPARSESWAPS_SPEC,  # Wanda -> SparseSwaps -> re-fit (the default spec is ALPS's mask and weights)
+        recipe="sparseswaps-refit",  # Wanda -> SparseSwaps -> re-fit (the default: SparseSwaps masks only)
         start=args.start,
         max_iters=args.max_iters,
         calibration_batches=args.calibration_batches,

@@ -3,8 +3,8 @@
 Run: ``python examples/prune_hf_model.py`` prunes a tiny random-weight llama (saved to a temporary directory)
 in seconds; ``--model default`` prunes the packaged SmolLM2-135M (minutes on CPU); ``--model PATH`` any local
 ``save_pretrained`` directory or ``.gguf`` file. Same as the ``sparseswaps prune`` command line: the default
-recipe (ALPS's mask and weights, then block tuning), or ``--recipe sparseswaps`` (Wanda, SparseSwaps, re-fit) with
-``--start`` and ``--max-iters``.
+recipe ``best`` (ALPS's mask and weights, then block tuning), or ``--recipe sparseswaps`` (Wanda, then exact
+1-swaps, masks only) with ``--start`` and ``--max-iters``.
 """
 
 from __future__ import annotations
@@ -13,9 +13,10 @@ import argparse
 import tempfile
 from pathlib import Path
 
-from sparseswaps_prune.core.spec import RECIPES, build_spec
+from sparseswaps_prune.core.spec import build_spec
 from sparseswaps_prune.llm.job import JobConfig, run_job, summary
 from sparseswaps_prune.llm.pipeline import PruneOptions
+from sparseswaps_prune.recipes import RECIPES
 
 
 def save_tiny_llama(path: Path) -> Path:
@@ -33,7 +34,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", default=None, help="output directory (default: a temporary one)")
     parser.add_argument("--sparsity", type=float, default=0.5)
     parser.add_argument("--nm", default=None, help="N:M pattern such as 2:4 instead of --sparsity")
-    parser.add_argument("--recipe", default="default", choices=tuple(RECIPES))
+    parser.add_argument("--recipe", default="best", choices=tuple(RECIPES))
     parser.add_argument("--start", default=None, choices=["magnitude", "wanda", "ria", "sparsegpt"])
     parser.add_argument("--max-iters", type=int, default=None, help="SparseSwaps T (with --recipe sparseswaps)")
     parser.add_argument("--nsamples", type=int, default=4)
@@ -50,13 +51,14 @@ def main(argv: list[str] | None = None) -> dict:
         config = JobConfig(
             model=model,
             prune=PruneOptions(
+                recipe=args.recipe,
                 spec=build_spec(
-                    RECIPES[args.recipe],
+                    RECIPES[args.recipe].spec,
                     start=args.start,
                     sparsity=None if nm else args.sparsity,
                     nm=nm,
                     max_iters=args.max_iters,
-                )
+                ),
             ),
             nsamples=args.nsamples,
             seqlen=args.seqlen,

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.nn.utils import prune
 
-from sparseswaps_prune import SPARSESWAPS_SPEC, GramAccumulator, SparseSwapsMethod, row_losses, warmstart_mask
+from sparseswaps_prune import GramAccumulator, SparseSwapsMethod, row_losses, warmstart_mask
 from sparseswaps_prune.core.losses import weight_losses
 
 
@@ -56,10 +56,10 @@ def main(argv: list[str] | None = None) -> None:
         amount=args.sparsity,
         tensors=params,
         grams=grams,
-        spec=SPARSESWAPS_SPEC,  # Wanda -> SparseSwaps -> re-fit; the default spec is ALPS's mask and weights
+        recipe="sparseswaps-refit",  # Wanda -> SparseSwaps -> re-fit; the default is SparseSwaps masks only
         start=args.start,
         max_iters=args.max_iters,
-    )  # SPARSESWAPS_SPEC also re-fits the kept weights (weights="keep" for the paper's mask-only method)
+    )  # the recipe also re-fits the kept weights (no recipe, or weights="keep", for the paper's mask-only method)
 
     print(f"{'layer':<8}{'sparsity':>10}{'warmstart loss':>18}{'final loss':>18}{'reduction':>11}")
     for i, (layer, w, g, m0) in enumerate(zip(layers, dense, grams, warm, strict=True)):

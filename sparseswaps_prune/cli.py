@@ -19,18 +19,18 @@ from typing import TYPE_CHECKING
 
 from sparseswaps_prune.core.budgets import OWL_LAMBDA, OWL_M, PROFILES
 from sparseswaps_prune.core.spec import (
-    DEFAULT_SPEC,
     OBJECTIVES,
-    RECIPES,
     REFINES,
     SCOPES,
     SEARCH_BACKENDS,
     SPARSESWAPS_SPEC,
     STARTS,
     WEIGHTS,
+    LeastSquares,
     build_spec,
 )
-from sparseswaps_prune.llm.block_tune import BLOCK_TUNE_EPOCHS, BLOCK_TUNE_LR, BLOCK_TUNE_SCHEDULE, SCHEDULES
+from sparseswaps_prune.llm.block_tune import BLOCK_TUNE_LR, BLOCK_TUNE_SCHEDULE, SCHEDULES
+from sparseswaps_prune.recipes import DEFAULT_RECIPE, RECIPES, RENAMED_RECIPES, get_recipe, recipe_name
 
 if TYPE_CHECKING:
     from sparseswaps_prune.llm.job import JobConfig
@@ -51,13 +51,15 @@ def _nm(text: str) -> tuple[int, int]:
 
 def job_config(args: argparse.Namespace) -> JobConfig:
     """The :class:`~sparseswaps_prune.llm.job.JobConfig` that ``sparseswaps prune`` runs for parsed ``args``: the
-    per-layer spec is :data:`~sparseswaps_prune.core.spec.DEFAULT_SPEC` with the given options changed
-    (:func:`~sparseswaps_prune.core.spec.build_spec`), everything else the ``JobConfig`` defaults."""
+    recipe (:data:`~sparseswaps_prune.recipes.RECIPES`, ``--recipe``, default ``best``) with the given options
+    changed (:func:`~sparseswaps_prune.core.spec.build_spec`), everything else the ``JobConfig`` defaults; with no
+    option but ``--recipe X`` it equals ``JobConfig(prune=PruneOptions(recipe="X"))``."""
     from sparseswaps_prune.llm.job import JobConfig
     from sparseswaps_prune.llm.pipeline import PruneOptions
 
+    name = recipe_name(args.recipe)
     spec = build_spec(
-        RECIPES[args.recipe or "default"], sparsity=args.sparsity, nm=args.nm, scope=args.scope, start=args.start,
+        get_recipe(name).spec, sparsity=args.sparsity, nm=args.nm, scope=args.scope, start=args.start,
         start_damp=args.start_damp, refine=args.refine, max_iters=args.max_iters, eps=args.eps,
         objective=args.objective, search_dtype=args.search_dtype, backend=args.backend, swap_scope=args.swap_scope,
         weights=args.weights, damp=args.damp, guard=args.guard, ridge=args.ridge,
@@ -66,25 +68,24 @@ def job_config(args: argparse.Namespace) -> JobConfig:
     if args.sparsity_profile != "owl" and profile.keys() - {"sparsity_profile"}:
         given = ", ".join(f"--{name.replace('_', '-')}" for name in profile if name != "sparsity_profile")
         raise ValueError(f"{given} set OWL's budgets: add --sparsity-profile owl, or drop them")
-    tune = {name: getattr(args, name) for name in _TUNE_FIELDS if getattr(args, name) is not None}
-    if args.recipe in PUBLISHED_RECIPES:  # as published: no block tuning unless asked for
-        tune.setdefault("block_tune_epochs", 0)
+    tune = {field: getattr(args, field) for field in _TUNE_FIELDS if getattr(args, field) is not None}
     options = PruneOptions(
-        spec=spec, include=args.include, exclude=args.exclude, gram_dtype=args.gram_dtype,
+        recipe=name, spec=spec, include=args.include, exclude=args.exclude, gram_dtype=args.gram_dtype,
         calib_shards=args.calib_shards, row_shards=args.row_shards, **profile, **tune,
     )  # fmt: skip
     given = {name: getattr(args, name) for name in _JOB_FIELDS if getattr(args, name) is not None}
-    return JobConfig(prune=options, **given)
+    config = JobConfig(prune=options, **given)
+    if args.eval == "none" or (args.blockwise and args.eval is None):  # block-wise runs do not evaluate
+        config.eval = None
+    config.eval_warmstart = not args.no_eval_warmstart
+    return config
 
 
 _PROFILE_FIELDS = ("sparsity_profile", "owl_m", "owl_lambda")
 _TUNE_FIELDS = ("block_tune_epochs", "block_tune_lr", "block_tune_schedule")
-PUBLISHED_RECIPES = ("paper", "wanda", "sparsegpt", "admm", "alps")
-"""``--recipe`` names that reproduce a published method: they run without block tuning unless
-``--block-tune-epochs`` is given (``default`` and ``alps-swaps`` tune)."""
 _JOB_FIELDS = (
     "model", "gguf_file", "calib", "nsamples", "seqlen", "holdout", "eval", "eval_windows", "device", "dtype", "seed",
-    "batch_size", "blockwise", "distributed",
+    "batch_size", "blockwise", "distributed", "collective_timeout",
 )  # fmt: skip
 
 
@@ -92,12 +93,12 @@ def _prune(args: argparse.Namespace) -> int:
     from sparseswaps_prune.llm.job import run_job
 
     config = job_config(args)
-    if args.eval == "none" or (args.blockwise and args.eval is None):  # block-wise runs do not evaluate
-        config.eval = None
-    config.eval_warmstart = not args.no_eval_warmstart
+    if args.blockwise and args.eval is None:
+        message = "--blockwise does not evaluate perplexity: run `sparseswaps eval --model OUT` afterwards"
+        logging.getLogger(__name__).warning(message)
     if config.distributed:
         return _prune_distributed(config, args)
-    report = run_job(config, args.out, progress=not (args.quiet or args.json_log))
+    report = run_job(config, args.out, progress=not (args.quiet or args.json_log), overwrite=args.overwrite)
     _print_report(report, args)
     return 0
 
@@ -110,9 +111,9 @@ def _prune_distributed(config: JobConfig, args: argparse.Namespace) -> int:
     from sparseswaps_prune.llm.job import run_job
 
     config.validate()  # bad options fail before the process group waits for its peers
-    ranks = init_from_env(config.device)
+    ranks = init_from_env(config.device, timeout=config.collective_timeout)
     try:
-        report = run_job(config, args.out, progress=not (args.quiet or args.json_log))
+        report = run_job(config, args.out, progress=not (args.quiet or args.json_log), overwrite=args.overwrite)
         ranks.barrier()  # every rank has received the report before any tears the group down
     finally:
         dist.destroy_process_group()
@@ -195,18 +196,16 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _add_prune_options(p: argparse.ArgumentParser) -> None:
-    """``sparseswaps prune``'s options, grouped by stage; spec options default to None (= DEFAULT_SPEC's value,
-    shown in the help) so that only the given ones change the default spec."""
+    """``sparseswaps prune``'s options, grouped by stage; spec options default to None (= the recipe's value; the
+    help shows the default recipe's) so that only the given ones change the recipe."""
     from sparseswaps_prune.llm.job import DEFAULT_HOLDOUT, JobConfig
 
-    spec, swaps = DEFAULT_SPEC, SPARSESWAPS_SPEC.refine  # the SparseSwaps options' defaults: --recipe sparseswaps's
+    recipe = get_recipe(DEFAULT_RECIPE)
+    spec, swaps = recipe.spec, SPARSESWAPS_SPEC.refine  # the SparseSwaps options' defaults: the stage's own
     p.add_argument(
-        "--recipe", choices=tuple(RECIPES),
-        help="start from a named spec, which the options below change (default: default, ALPS's mask and weights, then "
-        "block tuning; the defaults shown below are its): sparseswaps (Wanda, SparseSwaps T=10, least-squares re-fit: "
-        "the spec the SparseSwaps options below refine), alps-swaps (ALPS, then swaps under the re-fit objective and "
-        "the re-fit: the lowest layer loss measured, several times slower), paper (the paper's SparseSwaps, masks "
-        "only), and the published wanda, sparsegpt, admm, alps",
+        "--recipe", choices=(*RECIPES, *RENAMED_RECIPES), metavar="{" + ",".join(RECIPES) + "}",
+        help=f"the named method the options below change (default {DEFAULT_RECIPE}; the defaults shown below are "
+        "its): " + "; ".join(f"{name}: {r.summary}" for name, r in RECIPES.items()),
     )  # fmt: skip
     budget = p.add_argument_group("budget")
     pattern = budget.add_mutually_exclusive_group()
@@ -235,7 +234,7 @@ def _add_prune_options(p: argparse.ArgumentParser) -> None:
         help="the start's own ridge for --start sparsegpt|admm|alps (defaults 0.01, 0.1, 0.01: the originals')",
     )
 
-    refine = p.add_argument_group("refine (the mask; the SparseSwaps defaults are --recipe sparseswaps's)")
+    refine = p.add_argument_group("refine (the mask; the SparseSwaps defaults are the stage's own)")
     refine.add_argument("--refine", choices=REFINES, help=f"mask refinement (default {spec.refine.name})")
     refine.add_argument("--max-iters", type=int, help=f"SparseSwaps iterations T per layer (default {swaps.max_iters})")
     refine.add_argument("--eps", type=float, help=f"SparseSwaps: minimum gain of a swap (default {swaps.eps})")
@@ -273,7 +272,7 @@ def _add_prune_options(p: argparse.ArgumentParser) -> None:
         "--ridge",
         choices=("mean", "diag"),
         help="ls/cg: mean = ridge damp*mean(diag G) towards zero; diag = least squares on G + damp*diag(G), "
-        f"towards the dense weights (the problem ADMM's update solves) (default {SPARSESWAPS_SPEC.weights.ridge})",
+        f"towards the dense weights (the problem ADMM's update solves) (default {LeastSquares().ridge})",
     )
     weights.add_argument(
         "--guard",
@@ -287,7 +286,7 @@ def _add_prune_options(p: argparse.ArgumentParser) -> None:
         "--block-tune-epochs", type=int,
         help="tune the kept weights of each pruned block for this many epochs so that it reproduces the dense "
         "model's block output, keeping the epoch with the lowest held-out error (0: off; doubles the captured "
-        f"inputs; the published recipes paper, wanda, sparsegpt, admm, alps: 0) (default {BLOCK_TUNE_EPOCHS})",
+        f"inputs) (default: the recipe's; {DEFAULT_RECIPE}: {recipe.block_tune_epochs})",
     )  # fmt: skip
     tune.add_argument("--block-tune-lr", type=float, help=f"Adam's learning rate (default {BLOCK_TUNE_LR:g})")
     tune.add_argument(
@@ -325,7 +324,7 @@ def _add_prune_options(p: argparse.ArgumentParser) -> None:
     run = p.add_argument_group("run")
     run.add_argument("--device", help="compute device (default cpu)")
     run.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], help="model dtype (default float32)")
-    run.add_argument("--seed", type=int, help="calibration sampling seed (default 0)")
+    run.add_argument("--seed", type=int, help="calibration sampling seed, 0 to 2**64 - 1 (default 0)")
     run.add_argument("--batch-size", type=int, help="windows per forward (default 4)")
     run.add_argument(
         "--blockwise",
@@ -342,12 +341,27 @@ def _add_prune_options(p: argparse.ArgumentParser) -> None:
         "the calibration windows, are divided across the ranks; rank 0 evaluates and writes; combines with --blockwise",
     )  # fmt: skip
     run.add_argument(
+        "--collective-timeout", type=float, default=None, metavar="SECONDS",
+        help="with --distributed, how long a rank waits for the others in one collective operation before the run "
+        "fails naming the ranks that did not answer (default 600; raise it if one rank's share of a block, or rank "
+        "0's perplexity evaluation or save, takes longer)",
+    )  # fmt: skip
+    run.add_argument(
         "--row-shards", type=int, default=0,
         help="with --distributed, also divide the rows of layers among the ranks in shards of at least this many rows "
         "where the spec treats rows apart (e.g. 256); the last bits may then differ from one process (default 0: "
         "whole layers)",
     )  # fmt: skip
-    run.add_argument("--out", required=True, help="output directory (resumes if it holds an unfinished run)")
+    run.add_argument(
+        "--out", required=True,
+        help="output directory (resumes if it holds an unfinished run); never the --model directory, and one holding "
+        "files no run wrote (e.g. another model) only with --overwrite",
+    )  # fmt: skip
+    run.add_argument(
+        "--overwrite", action="store_true",
+        help="replace the model (or finished run) that --out holds: the run's files replace those of the same names "
+        "and the old weight files go; other files stay (never the --model directory itself)",
+    )  # fmt: skip
     run.add_argument("--quiet", action="store_true", help="no progress bars, one summary line")
     run.add_argument("--json-log", action="store_true", help="JSON log lines on stderr, JSON summary on stdout")
 
@@ -360,8 +374,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "prune",
         help="prune a causal LM (default: the packaged SmolLM2-135M) and save it",
-        description=f"Prune every linear layer of every decoder block, block by block. Default method: "
-        f"{DEFAULT_SPEC.describe()}.",
+        description=f"Prune every linear layer of every decoder block, block by block. Default recipe: "
+        f"{DEFAULT_RECIPE} ({get_recipe(DEFAULT_RECIPE).summary}).",
     )
     _add_prune_options(p)
     p.set_defaults(func=_prune)

@@ -1,9 +1,14 @@
 """``torch.nn.utils.prune`` integration: :class:`SparseSwapsMethod` and :func:`sparseswaps_unstructured`.
 
-Masks are the standard reparametrization (``weight_orig`` parameter, ``weight_mask`` buffer, a forward
-pre-hook); ``prune.remove`` makes them permanent. Every layer is pruned row by row (warmstart, then
-1-swap refinement against its Gram matrix), never by one global threshold, even when called through
-``prune.global_unstructured``, which flattens all parameters into one vector.
+By default a method here computes masks only, as ``torch.nn.utils.prune`` methods do: a Wanda warmstart, then
+exact, loss-decreasing 1-swaps against each layer's Gram matrix (:data:`~sparseswaps_prune.core.spec.SPARSESWAPS_SPEC`).
+Masks are the standard reparametrization (``weight_orig`` is the original parameter, untouched; ``weight_mask`` a
+buffer; a forward pre-hook); ``prune.remove`` makes ``weight_orig * weight_mask`` permanent. Every layer is pruned
+row by row, never by one global threshold, even when called through ``prune.global_unstructured``, which flattens
+all parameters into one vector.
+
+A weight update is something the user asks for (``weights="ls"``, or a recipe whose layer spec updates weights,
+e.g. ``recipe="alps"``): it lands in ``weight_orig``, so ``prune.remove`` gives the updated, pruned weights.
 """
 
 from __future__ import annotations
@@ -16,34 +21,38 @@ from torch.nn.utils import prune
 
 from sparseswaps_prune.core.checks import check_budget, check_gram, check_weight
 from sparseswaps_prune.core.layer import FeatureStats, LayerOutcome, prune_layer
-from sparseswaps_prune.core.spec import DEFAULT_SPEC, DSnoTRefine, PruneSpec, build_spec
+from sparseswaps_prune.core.spec import DSnoTRefine, PruneSpec, build_spec
+from sparseswaps_prune.recipes import layer_spec
 
 
 class SparseSwapsMethod(prune.BasePruningMethod):
-    """One layer-wise pruning spec (start, SparseSwaps refinement, final weights) as a ``torch.nn.utils.prune``
-    method; every tensor is pruned by :func:`~sparseswaps_prune.core.layer.prune_layer`.
+    """SparseSwaps as a ``torch.nn.utils.prune`` method: computes each tensor's mask by a warmstart plus exact 1-swap
+    refinement (:func:`~sparseswaps_prune.core.layer.prune_layer` with
+    :data:`~sparseswaps_prune.core.spec.SPARSESWAPS_SPEC`: Wanda, 25 swap iterations per row; masks only, so
+    ``weight_orig`` stays the original parameter). Any other spec or recipe runs the same way.
 
     Args:
-        amount: fraction of each layer's (the default spec's ``scope="layer"``) or each row's currently unpruned
-            weights to prune, in ``[0, 1)`` (the spec's ``sparsity``); exclusive with ``nm``. Pruning an already
-            pruned tensor again needs a score start (e.g. ``spec=SPARSESWAPS_SPEC``).
+        amount: fraction of each row's (or, with ``scope="layer"``, each layer's) currently unpruned weights to
+            prune, in ``[0, 1)`` (the spec's ``sparsity``); exclusive with ``nm``. Pruning an already pruned tensor
+            again needs a score start (the default's Wanda is one).
         grams: one ``[d_in, d_in]`` Gram matrix per pruned tensor, in parameter order.
         tensors: the ``(module, name)`` pairs being pruned, in the same order (as given to
             ``global_unstructured``). Gives each layer its 2-D shape and existing mask, and is where updated
-            weights are written (they land in ``<name>_orig``; the masked entries stay zero in ``<name>``);
-            required when a tensor is already pruned or the spec updates weights. Without it, ``shapes`` (or a
-            single 2-D tensor) gives the shapes.
+            weights are written when the spec updates weights (they land in ``<name>_orig``; the masked entries
+            stay zero in ``<name>``); required when a tensor is already pruned or the spec updates weights.
+            Without it, ``shapes`` (or a single 2-D tensor) gives the shapes.
         shapes: ``(d_out, d_in)`` per tensor, when ``tensors`` is not given.
         feature_stats: one ``(mean, var, sq_mean)`` ``[d_in]`` input-statistics triple per tensor
             (``GramAccumulator(track_sum=True).feature_stats(n_samples=...)``); needed by ``refine="dsnot"``
             only.
         spec: the per-layer :class:`~sparseswaps_prune.core.spec.PruneSpec` (default
-            :data:`~sparseswaps_prune.core.spec.DEFAULT_SPEC`: ALPS's mask and weights; ``SPARSESWAPS_SPEC``:
-            Wanda, SparseSwaps T=10, least-squares re-fit).
-        **options: flat options changing ``spec`` (:func:`~sparseswaps_prune.core.spec.build_spec`): ``nm``,
+            :data:`~sparseswaps_prune.core.spec.SPARSESWAPS_SPEC`); exclusive with ``recipe``.
+        recipe: a name in :data:`~sparseswaps_prune.recipes.RECIPES`: its layer spec (e.g. ``"alps"``: ALPS's mask
+            and weights; block tuning is the pipeline's and does not run here).
+        **options: flat options changing the spec (:func:`~sparseswaps_prune.core.spec.build_spec`): ``nm``,
             ``scope``, ``start``, ``refine``, ``max_iters``, ``eps``, ``objective``, ``search_dtype``, ``backend``,
-            ``weights`` (``"keep"`` for the paper's mask-only SparseSwaps), ``damp``, ``guard``, ``ridge``,
-            ``start_damp``.
+            ``weights`` (e.g. ``"ls"``: a least-squares re-fit, written into ``<name>_orig``), ``damp``, ``guard``,
+            ``ridge``, ``start_damp``; ``warmstart`` (now ``start``) is accepted with a ``DeprecationWarning``.
 
     After ``compute_mask``, ``self.results`` holds each tensor's
     :class:`~sparseswaps_prune.core.layer.LayerOutcome` (masks, weights, every stage's per-row loss).
@@ -51,9 +60,9 @@ class SparseSwapsMethod(prune.BasePruningMethod):
     Example:
         >>> params = [(model.fc1, "weight"), (model.fc2, "weight")]
         >>> prune.global_unstructured(params, pruning_method=SparseSwapsMethod, amount=0.6,
-        ...                           tensors=params, grams=[g1, g2])  # ALPS's masks and weights
+        ...                           tensors=params, grams=[g1, g2], max_iters=50)  # Wanda + 50 swap iterations
         >>> prune.global_unstructured(params, pruning_method=SparseSwapsMethod, amount=0.6, tensors=params,
-        ...                           grams=[g1, g2], spec=SPARSESWAPS_SPEC, max_iters=25)  # Wanda + swaps
+        ...                           grams=[g1, g2], recipe="alps")  # ALPS's masks, its weights in weight_orig
     """
 
     PRUNING_TYPE = "unstructured"
@@ -66,12 +75,13 @@ class SparseSwapsMethod(prune.BasePruningMethod):
         tensors: Sequence[tuple[nn.Module, str]] | None = None,
         shapes: Sequence[tuple[int, int]] | None = None,
         feature_stats: Sequence[FeatureStats] | None = None,
-        spec: PruneSpec = DEFAULT_SPEC,
+        spec: PruneSpec | None = None,
+        recipe: str | None = None,
         **options,
     ) -> None:
         if amount is not None and options.get("nm") is not None:
             raise ValueError("give amount= (e.g. 0.6) or nm= (e.g. (2, 4)), not both")
-        self.spec = build_spec(spec, sparsity=amount, **options)
+        self.spec = build_spec(layer_spec(spec, recipe), sparsity=amount, **options)
         if self.spec.updates_weights and tensors is None:
             raise ValueError(
                 f"weights={self.spec.weights.name!r} writes updated weights into the pruned tensors: pass "
@@ -193,16 +203,18 @@ def sparseswaps_unstructured(
     *,
     gram: torch.Tensor,
     feature_stats: FeatureStats | None = None,
-    spec: PruneSpec = DEFAULT_SPEC,
+    spec: PruneSpec | None = None,
+    recipe: str | None = None,
     **options,
 ) -> nn.Module:
-    """Prune ``module.<name>`` with one layer-wise spec (default: ALPS's mask and weights), like
-    ``prune.l1_unstructured``.
+    """Prune ``module.<name>`` with SparseSwaps, like ``prune.l1_unstructured``: a Wanda warmstart refined by exact
+    1-swaps against ``gram`` (:data:`~sparseswaps_prune.core.spec.SPARSESWAPS_SPEC`), masks only.
 
-    Adds ``<name>_orig`` and ``<name>_mask`` to ``module`` (in place) and returns it; updated weights land in
-    ``<name>_orig``. If the tensor is already pruned, the new mask prunes ``amount`` of each row's remaining
-    weights and is combined with the existing one (score starts only, e.g. ``spec=SPARSESWAPS_SPEC``). On bad
-    input (wrong Gram size, NaN, bad ``amount``/``nm``/option) raises before touching ``module``.
+    Adds ``<name>_orig`` (the original parameter) and ``<name>_mask`` to ``module`` (in place) and returns it; a
+    weight update, if asked for (``weights=``, a spec or recipe that updates weights), lands in ``<name>_orig``. If
+    the tensor is already pruned, the new mask prunes ``amount`` of each row's remaining weights and is combined
+    with the existing one (score starts only). On bad input (wrong Gram size, NaN, bad ``amount``/``nm``/option)
+    raises before touching ``module``.
 
     Args:
         module: module holding a 2-D weight ``[d_out, d_in]`` (e.g. ``nn.Linear``).
@@ -211,8 +223,8 @@ def sparseswaps_unstructured(
             exclusive with ``nm``.
         gram: ``[d_in, d_in]`` Gram matrix of the module's inputs.
         feature_stats: ``(mean, var, sq_mean)`` of the module's inputs, for ``refine="dsnot"`` only.
-        spec, **options: as :class:`SparseSwapsMethod` (e.g. ``nm=(2, 4)``, or
-            ``spec=SPARSESWAPS_SPEC, max_iters=100``).
+        spec, recipe, **options: as :class:`SparseSwapsMethod` (e.g. ``nm=(2, 4)``, ``max_iters=100``,
+            ``start="ria"`` or ``recipe="alps"``).
 
     Example:
         >>> sparseswaps_unstructured(layer, "weight", amount=0.6, gram=acc.gram)
@@ -220,7 +232,7 @@ def sparseswaps_unstructured(
     """
     stats = None if feature_stats is None else [feature_stats]
     method = SparseSwapsMethod(
-        amount, grams=[gram], tensors=[(module, name)], feature_stats=stats, spec=spec, **options
+        amount, grams=[gram], tensors=[(module, name)], feature_stats=stats, spec=spec, recipe=recipe, **options
     )
     weight = getattr(module, name).detach()
     existing = getattr(module, name + "_mask", torch.ones_like(weight)).detach().bool()

@@ -26,7 +26,9 @@ def test_torch_prune_api(monkeypatch, capsys):
 
 
 @pytest.mark.parametrize(
-    "recipe", [[], ["--recipe", "sparseswaps", "--max-iters", "5"]], ids=["default", "sparseswaps"]
+    "recipe",
+    [[], ["--recipe", "sparseswaps-refit", "--max-iters", "5"], ["--recipe", "sparseswaps", "--max-iters", "5"]],
+    ids=["default", "sparseswaps-refit", "sparseswaps"],
 )
 def test_prune_hf_model(monkeypatch, capsys, tmp_path, recipe):
     args = ["--out", str(tmp_path / "out"), *recipe, "--nsamples", "2", "--seqlen", "32"]

@@ -18,7 +18,7 @@ from torch.nn.utils import prune
 from sparseswaps_prune.core.checks import check_budget, check_gram, check_int
 from sparseswaps_prune.core.gram import GramAccumulator
 from sparseswaps_prune.core.layer import LayerOutcome, prune_layer
-from sparseswaps_prune.core.spec import DEFAULT_SPEC, DSnoTRefine, PruneSpec, build_spec
+from sparseswaps_prune.core.spec import DSnoTRefine, PruneSpec, build_spec
 from sparseswaps_prune.modules import (
     PrunableLayer,
     apply_mask,
@@ -29,6 +29,7 @@ from sparseswaps_prune.modules import (
     restore_masks,
     same_param_slot,
 )
+from sparseswaps_prune.recipes import layer_spec
 
 logger = logging.getLogger(__name__)
 
@@ -145,33 +146,32 @@ class _Rollback:
 
 
 class SparseSwapsPruning(pl.Callback):
-    """Prune a LightningModule's linear layers with warmstart + SparseSwaps refinement.
+    """Prune a LightningModule's linear layers with warmstart + SparseSwaps refinement, masks only.
 
     At the chosen moment (``when``) the callback runs ``calibration_batches`` batches through the module under
     ``torch.no_grad()``, accumulates each selected layer's input Gram matrix ``G = sum_t x_t x_t^T`` with
-    temporary forward pre-hooks, computes a mask and weights per layer with ``spec`` (by default ALPS's; with
-    ``spec=SPARSESWAPS_SPEC`` a Wanda mask refined by exact loss-decreasing 1-swaps per row against ``G``,
-    then the least-squares re-fit) and installs it as the standard
-    ``torch.nn.utils.prune`` reparametrization (``weight_orig`` parameter, ``weight_mask`` buffer): the weight
-    is recomputed as ``weight_orig * weight_mask`` on every forward, so pruned weights stay exactly zero
-    while training goes on, and both tensors are saved in checkpoints.
+    temporary forward pre-hooks, computes a mask per layer (by default a Wanda mask refined by 25 iterations of exact,
+    loss-decreasing 1-swaps per row against ``G``: :data:`~sparseswaps_prune.core.spec.SPARSESWAPS_SPEC`) and
+    installs it as the standard ``torch.nn.utils.prune`` reparametrization (``weight_orig`` the original parameter,
+    ``weight_mask`` a buffer): the weight is recomputed as ``weight_orig * weight_mask`` on every forward, so pruned
+    weights stay exactly zero while training goes on, and both tensors are saved in checkpoints.
 
     Compared with Lightning's own ``ModelPruning`` (magnitude/random/``ln`` criteria on the weights alone),
     this adds a calibration pass, data-aware masks that minimise each layer's output reconstruction error
-    ``||(W - M*W) X||^2`` (ALPS's, or exactly by 1-swaps), weights that compensate, per-row budgets and N:M
+    ``||(W - M*W) X||^2`` (exactly, by 1-swaps), weights that compensate if asked for, per-row budgets and N:M
     semi-structured sparsity. Migration:
     ``ModelPruning("l1_unstructured", amount=0.6)`` -> ``SparseSwapsPruning(sparsity=0.6)``.
 
     Args:
-        sparsity: fraction of each layer's (``scope="layer"``, the default spec's) or each row's weights pruned, in
-            ``[0, 1)``; exclusive with ``nm`` (changes the budget of ``spec``; default: the spec's, 0.6 for the
-            default spec).
+        sparsity: fraction of each row's (or with ``scope="layer"`` each layer's) weights pruned, in ``[0, 1)``;
+            exclusive with ``nm`` (changes the budget of ``spec``; default: the spec's, 0.6).
         nm: ``(n, m)``: keep ``n`` of every ``m`` consecutive inputs of each row (e.g. ``(2, 4)``).
         spec: how each layer is pruned (:class:`~sparseswaps_prune.core.spec.PruneSpec`; default
-            :data:`~sparseswaps_prune.core.spec.DEFAULT_SPEC`: ALPS's mask and weights, which land in
-            ``weight_orig`` so training continues from them; ``SPARSESWAPS_SPEC``: Wanda start,
-            SparseSwaps T=10, least-squares re-fit). Build
-            others with :func:`~sparseswaps_prune.core.spec.build_spec`, or change it with ``**options``.
+            :data:`~sparseswaps_prune.core.spec.SPARSESWAPS_SPEC`, masks only). Build others with
+            :func:`~sparseswaps_prune.core.spec.build_spec`, or change it with ``**options``; exclusive with
+            ``recipe``. A spec that updates weights writes them into ``weight_orig``, so training continues from them.
+        recipe: a name in :data:`~sparseswaps_prune.recipes.RECIPES`: its layer spec (e.g. ``"alps"``; block tuning
+            is the Hugging Face pipeline's and does not run here).
         calibration_batches: batches taken from the calibration dataloader (>= 1).
         include, exclude: fnmatch patterns on qualified module names (as in ``named_modules()``); default:
             every ``nn.Linear`` and transformers ``Conv1D`` in the module, ``lm_head`` included.
@@ -183,8 +183,8 @@ class SparseSwapsPruning(pl.Callback):
         when: ``"fit_start"`` (in ``on_fit_start``, after the optimizers exist) or an epoch number (in
             ``on_train_epoch_start`` of the first epoch ``>= when``).
         **options: flat options changing ``spec`` (:func:`~sparseswaps_prune.core.spec.build_spec`), e.g.
-            ``max_iters=100, weights="keep"`` for the paper's mask-only SparseSwaps, ``start="magnitude"``,
-            ``scope="layer"``, ``objective="refit"``, ``damp=1e-4``.
+            ``max_iters=100``, ``start="magnitude"``, ``scope="layer"``, ``weights="ls"`` (a least-squares re-fit
+            into ``weight_orig``); ``warmstart`` (now ``start``) is accepted with a ``DeprecationWarning``.
         make_permanent: at ``on_fit_end``, ``prune.remove`` the reparametrization (zeros written into plain
             ``weight`` parameters). Under spawn-based strategies (``ddp_spawn``, ``ddp_fork``) this is always
             done at the end of fit in the worker processes, so that the module of the main process, into which
@@ -213,7 +213,8 @@ class SparseSwapsPruning(pl.Callback):
         sparsity: float | None = None,
         *,
         nm: tuple[int, int] | None = None,
-        spec: PruneSpec = DEFAULT_SPEC,
+        spec: PruneSpec | None = None,
+        recipe: str | None = None,
         calibration_batches: int = 32,
         include: Sequence[str] | None = None,
         exclude: Sequence[str] | None = None,
@@ -223,11 +224,10 @@ class SparseSwapsPruning(pl.Callback):
         make_permanent: bool = False,
         **options: Any,
     ) -> None:
-        if not isinstance(spec, PruneSpec):
-            raise TypeError(f"spec must be a PruneSpec (see build_spec), got {type(spec).__name__}")
         if sparsity is not None and nm is not None:
             raise ValueError("give sparsity= (e.g. 0.6) or nm= (e.g. (2, 4)), not both")
-        self.spec = build_spec(spec, sparsity=sparsity, nm=tuple(nm) if isinstance(nm, list) else nm, **options)
+        nm = tuple(nm) if isinstance(nm, list) else nm
+        self.spec = build_spec(layer_spec(spec, recipe), sparsity=sparsity, nm=nm, **options)
         check_int(calibration_batches, "calibration_batches", low=1)
         if mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")

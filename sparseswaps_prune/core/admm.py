@@ -33,6 +33,11 @@ in the normalisation (only the ``1e-8`` guard of ``n`` is not scaled), so averag
 
 The original switches TF32 matmuls off globally; these functions change no global flag (TF32 matmuls are off
 in torch's default settings; turning them on changes results on Ampere+ GPUs).
+
+Float32 range: the normalised weights ``W * n`` and their products with ``G'`` and its inverse overflow float32
+(NaN rows) for weights near its largest value (e.g. one weight of ``1e37``); where ``max|W| * max(n) * d_in^2``
+exceeds :data:`FLOAT32_SAFE` (never for a trained model's weights) a ``dtype=float32`` call computes in float64
+instead, as :mod:`~sparseswaps_prune.core.alps` does, and returns the weight's dtype as always.
 """
 
 from __future__ import annotations
@@ -61,6 +66,8 @@ ADMM_ITERS = 20
 ADMM_RESELECT_ITERS = 15
 # The original's guard on the normalisation, sqrt(diag G) + 1e-8.
 NORM_EPS = 1e-8
+# Above this bound on max|W * n| * d_in^2 (the growth of W' through G' and (G' + rho I)^-1) float32 could overflow.
+FLOAT32_SAFE = 1e36
 
 
 @dataclass
@@ -197,7 +204,8 @@ def _setup(
     weight: torch.Tensor, gram: torch.Tensor, rho: float, damp: float, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Validate ``rho``/``damp``/``dtype``; return ``(n [d_in], G'^-1, XY [d_in, d_out], W' [d_in, d_out])``
-    in ``dtype``, in the original's transposed layout."""
+    in ``dtype`` (float64 where float32 could overflow, see the module docstring), in the original's transposed
+    layout."""
     check_number(rho, "rho", low=0.0)
     if not rho > 0:
         raise ValueError(f"rho must be > 0 (the ADMM penalty, 1 in the original), got {rho!r}")
@@ -206,6 +214,9 @@ def _setup(
         raise TypeError(f"dtype must be torch.float32 or torch.float64, got {dtype}")
     xx = gram.detach().to(device=weight.device, dtype=dtype).clone()
     norm = torch.diagonal(xx).clamp_min(0).sqrt() + NORM_EPS
+    bound = float(weight.detach().abs().max()) * float(norm.max()) * xx.shape[0] ** 2
+    if dtype == torch.float32 and bound > FLOAT32_SAFE:
+        return _setup(weight, gram, rho, damp, torch.float64)
     xx = xx / norm
     xx = (xx.T / norm).T
     w = (weight.detach().to(dtype) * norm).T

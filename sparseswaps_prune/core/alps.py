@@ -29,6 +29,13 @@ change results.
 
 The original switches TF32 matmuls off globally; these functions change no global flag (TF32 matmuls are off
 in torch's default settings; turning them on changes results on Ampere+ GPUs).
+
+Float32 range: CG's inner products sum, over ``d_in`` inputs, squares of residuals up to ``d_in * max|W * n|``, so
+float32 can overflow (``inf / inf``: NaN rows) once ``max|W * n| * d_in^1.5`` nears ``sqrt(3.4e38) = 1.8e19``; a
+single weight of ``1e25`` does it. Where ``max|W| * max(n) * d_in^1.5`` exceeds :data:`FLOAT32_SAFE` (never for the
+weights and activations of a trained model: that takes ``|W * n|`` above ``5e10`` at ``d_in = 14336``), a
+``dtype=float32`` call computes in float64 instead, the same algorithm in a range that holds those squares; the
+result is returned in the weight's dtype as always.
 """
 
 from __future__ import annotations
@@ -63,6 +70,9 @@ ALPS_CG_RTOL = 1e-4
 ALPS_UPDATE_ADMM_ITERS = 33
 RHO_MAX = 1e6
 NORM_EPS = 1e-8
+# Above this bound on max|W * n| * d_in^1.5 a float32 computation could overflow CG's squared sums (float32's
+# largest value is 3.4e38; the bound's square is 1e34, which leaves CG's intermediate growth a 3e4 margin).
+FLOAT32_SAFE = 1e17
 
 
 @dataclass
@@ -129,7 +139,8 @@ def alps_prune(
         cg_rtol: CG's relative residual tolerance (``1e-4``).
         damp: relative ridge ``damp * mean(diag G)`` added before the normalisation (0.01).
         dtype: computation dtype, ``torch.float32`` (the original) or ``torch.float64``; the
-            eigendecomposition is always float64, as in the original.
+            eigendecomposition is always float64, as in the original. Float32 becomes float64 where weights this
+            large would overflow it (see the module docstring).
 
     Returns:
         :class:`ALPSResult` with the weight (``weight``'s dtype and device), the bool mask, the ADMM
@@ -208,7 +219,8 @@ def alps_update(
         cg_iters: CG steps on the support (10).
         cg_rtol: CG's relative residual tolerance (``1e-4``).
         damp: relative ridge added before the normalisation (0.01).
-        dtype: computation dtype, ``torch.float32`` or ``torch.float64``.
+        dtype: computation dtype, ``torch.float32`` or ``torch.float64`` (float64 where float32 would overflow,
+            as in :func:`alps_prune`).
 
     Returns:
         ``[d_out, d_in]`` tensor of ``weight``'s dtype and device, exactly zero where ``keep_mask`` is False.
@@ -230,7 +242,7 @@ def alps_update(
     b = torch.where(keep, b_orig, 0.0)
     if admm_iters:
         eigenvalues, eigenvectors = torch.linalg.eigh(xtx.double())
-        xtx_inv = _shifted_inverse(eigenvalues, eigenvectors, rho, dtype)
+        xtx_inv = _shifted_inverse(eigenvalues, eigenvectors, rho, xtx.dtype)  # float64 where float32 overflows
         d = b
         v = torch.zeros_like(b)
         for _ in range(admm_iters):
@@ -258,16 +270,26 @@ def _check_common(rho: float, cg_iters: int, cg_rtol: float, damp: float, dtype:
 def _setup(
     weight: torch.Tensor, gram: torch.Tensor, damp: float, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Return ``(n [d_in], G' [d_in, d_in], G' B0 [d_in, d_out], B0 [d_in, d_out])`` in ``dtype``."""
+    """Return ``(n [d_in], G' [d_in, d_in], G' B0 [d_in, d_out], B0 [d_in, d_out])`` in ``dtype``, or in float64
+    where ``dtype`` is float32 and the normalised weights could overflow it (:func:`_float32_overflows`)."""
     xtx = gram.detach().to(device=weight.device, dtype=dtype).clone()
     diag = torch.arange(xtx.shape[0], device=xtx.device)
     xtx[diag, diag] += damp * torch.mean(torch.diag(xtx)).item()  # a contiguous copy, summed as the original sums it
     x_norm = torch.diagonal(xtx).clamp_min(0).sqrt() + NORM_EPS
+    if dtype == torch.float32 and _float32_overflows(weight, x_norm):
+        return _setup(weight, gram, damp, torch.float64)
     xtx = xtx / x_norm
     xtx = (xtx.T / x_norm).T
     w = weight.detach().to(dtype)
     target = torch.matmul(w * x_norm, xtx).T
     return x_norm, xtx, target, (w * x_norm).t().clone()
+
+
+def _float32_overflows(weight: torch.Tensor, x_norm: torch.Tensor) -> bool:
+    """Whether ``max|W| * max(n) * d_in^1.5`` (a bound on the normalised weights' CG sums' square roots)
+    exceeds :data:`FLOAT32_SAFE`; computed in Python floats (float64), which hold it for any float32 input."""
+    bound = float(weight.detach().abs().max()) * float(x_norm.max()) * weight.shape[1] ** 1.5
+    return bound > FLOAT32_SAFE
 
 
 def _shifted_inverse(eigenvalues: torch.Tensor, eigenvectors: torch.Tensor, rho: float, dtype: torch.dtype):

@@ -153,8 +153,9 @@ def check_mask(mask: torch.Tensor, weight: torch.Tensor, *, what: str = "keep_ma
 
 
 def check_budget(sparsity: float | None, nm: tuple[int, int] | None, d_in: int | None) -> None:
-    """Exactly one of ``sparsity`` in [0, 1) and ``nm = (n, m)`` with ``0 <= n <= m`` and ``m | d_in`` (``d_in``
-    None: no layer width to check against yet)."""
+    """Exactly one of ``sparsity`` in [0, 1) and ``nm = (n, m)`` with ``1 <= n <= m`` and ``m | d_in`` (``d_in``
+    None: no layer width to check against yet). ``n = 0`` keeps no weight (an all-zero model), as ``sparsity=1``
+    would; ``n = m`` keeps every weight, as ``sparsity=0`` does."""
     if (sparsity is None) == (nm is None):
         raise ValueError("give exactly one of sparsity= (e.g. 0.6) or nm= (e.g. (2, 4)), not both or neither")
     if sparsity is not None:
@@ -171,7 +172,12 @@ def check_budget(sparsity: float | None, nm: tuple[int, int] | None, d_in: int |
             raise TypeError(f"nm must be a pair of ints (n, m), e.g. (2, 4), got {nm!r}")
         n, m = nm
         if m < 1 or not 0 <= n <= m:
-            raise ValueError(f"nm=(n, m) needs m >= 1 and 0 <= n <= m, got {tuple(nm)}")
+            raise ValueError(f"nm=(n, m) needs m >= 1 and 1 <= n <= m (e.g. 2:4), got {tuple(nm)}")
+        if n == 0:
+            raise ValueError(
+                f"nm=({n}, {m}) keeps none of every {m} weights, so every pruned layer would be all zeros; n must be "
+                f"at least 1 (e.g. nm=(2, 4), --nm 2:4)"
+            )
         if d_in is not None and d_in % m != 0:
             raise ValueError(
                 f"nm=({n}, {m}): m={m} does not divide the input width d_in={d_in}; choose m dividing {d_in} "

@@ -30,7 +30,7 @@ from sparseswaps_prune.core.refit import refit_weights
 from sparseswaps_prune.core.select import keep_top, select_mask
 from sparseswaps_prune.core.sparsegpt import sparsegpt_prune
 from sparseswaps_prune.core.spec import (
-    DEFAULT_SPEC,
+    SPARSESWAPS_SPEC,
     ADMMStart,
     ADMMUpdate,
     ALPSUpdate,
@@ -153,7 +153,7 @@ def start_stage(
             raise ValueError(
                 f"{'N:M' if budget.nm else start.name} pruning of an already pruned tensor is not supported; make "
                 "the earlier pruning permanent (prune.remove), start from the dense weights, or prune it again with "
-                "a score start per row or layer (e.g. spec=SPARSESWAPS_SPEC)"
+                "a score start per row or layer (e.g. the default spec, SPARSESWAPS_SPEC)"
             )
         scores = importance_scores(weight, start.score, gram).masked_fill(~prior_mask, float("-inf"))
         kept = prior_mask.sum(dim=1, keepdim=True)
@@ -180,7 +180,7 @@ def start_stage(
 def prune_layer(
     weight: torch.Tensor,
     gram: torch.Tensor,
-    spec: PruneSpec = DEFAULT_SPEC,
+    spec: PruneSpec = SPARSESWAPS_SPEC,
     *,
     holdout_gram: torch.Tensor | None = None,
     prior_mask: torch.Tensor | None = None,
@@ -193,7 +193,8 @@ def prune_layer(
     Args:
         weight: ``[d_out, d_in]`` float weights (not modified).
         gram: ``[d_in, d_in]`` Gram ``sum_t x_t x_t^T`` of the layer's calibration inputs (not modified).
-        spec: the stages (:data:`~sparseswaps_prune.core.spec.DEFAULT_SPEC` by default).
+        spec: the stages (default :data:`~sparseswaps_prune.core.spec.SPARSESWAPS_SPEC`: Wanda, 25 exact 1-swap
+            iterations per row, the weights kept; a named method: ``RECIPES[name].spec``).
         holdout_gram: ``[d_in, d_in]`` Gram of held-out calibration inputs: every stage's loss is also reported on
             it, and a guarded weight update is kept only in rows where it lowers the held-out loss.
         prior_mask: ``[d_out, d_in]`` bool mask of an already pruned tensor: the new mask prunes
@@ -209,7 +210,8 @@ def prune_layer(
     Raises:
         ValueError / TypeError: bad input, prefixed with ``layer <name>:``; raised before any work where they can
             be checked up front (shapes, NaN, budget vs width), else from the stage that fails (e.g. a singular
-            Gram block: raise the damp).
+            Gram block: raise the damp); a stage whose weights are not all finite, naming the stage, the rows and
+            the cause (e.g. weights too large for its arithmetic), before the caller can write any of them.
 
     Example:
         >>> out = prune_layer(layer.weight, acc.gram, build_spec(sparsity=0.5))
@@ -286,6 +288,7 @@ def _prune_layer(
 
     published = isinstance(spec.weights, StartWeights)
     final = _final_weights(weight, gram, mask, spec, start_weight if published else searched_weight, device)
+    _check_finite_weights(weight, gram, spec, start_weight, searched_weight, final)  # before anything is written
     holdout, row_updated = None, None if final is None else torch.ones(weight.shape[0], dtype=torch.bool)
     if holdout_gram is not None:
         held_refined = row_losses(weight, holdout_gram, mask)
@@ -353,3 +356,40 @@ def _final_weights(
     else:
         return None
     return fitted.to(weight.device)
+
+
+# Above this |W| * sqrt(max diag G) the products a weight stage forms may overflow (float32 holds 3.4e38); a trained
+# model's layers stay far below it.
+HUGE_SCALE = 1e15
+
+
+def _check_finite_weights(
+    weight: torch.Tensor,
+    gram: torch.Tensor,
+    spec: PruneSpec,
+    start: torch.Tensor | None,
+    searched: torch.Tensor | None,
+    final: torch.Tensor | None,
+) -> None:
+    """Raise ``ValueError`` naming the stage, the rows and the likely cause when a stage's weights (the start's, the
+    refinement's re-fit, the weight stage's) are not all finite, so that a NaN is never written into a model."""
+    stages = ("start", "refine", "weight"), (spec.start, spec.refine, spec.weights), (start, searched, final)
+    for stage, kind, tensor in zip(*stages, strict=True):
+        method = kind.name
+        if tensor is None:
+            continue
+        bad = ~torch.isfinite(tensor).all(dim=1)
+        if not bool(bad.any()):
+            continue
+        rows = torch.nonzero(bad).flatten().tolist()
+        peak, diag = float(weight.abs().max()), float(torch.diagonal(gram).max())
+        cause = (
+            f"weights of magnitude up to {peak:.3g} overflow its arithmetic; rescale or clip them"
+            if peak * max(diag, 0.0) ** 0.5 > HUGE_SCALE
+            else f"{method} broke down numerically (largest weight {peak:.3g}, largest Gram diagonal {diag:.3g}); "
+            "check the calibration inputs, or raise the stage's damp"
+        )
+        raise ValueError(
+            f"the {stage} stage ({method}) returned non-finite weights in {len(rows)} of {weight.shape[0]} rows "
+            f"(rows {rows[:5]}{', ...' if len(rows) > 5 else ''}): {cause}"
+        )

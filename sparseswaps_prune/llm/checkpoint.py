@@ -5,9 +5,10 @@ A checkpoint directory holds, after block ``k - 1`` finished:
 * ``block_0000.pt`` ... ``block_{k-1}.pt``: each finished block's masks, re-fitted and dense weights, reports;
 * ``inputs_<key>_{k}.pt`` (one per token set: ``fit``, ``holdout``, and with block tuning the dense model's
   ``fit_dense``, ``holdout_dense``): the inputs of block ``k``;
-* ``progress.json``: the marker. It names the files above (and only those count) and records the
-  :class:`Fingerprint` of the run: per-part hashes of everything that changes the output (model config and
-  weights, dtype, calibration and held-out windows, options) plus the options themselves.
+* ``progress.json``: the marker. It names the files above (and only those count), records the sha256 of each
+  (``hashes``) and of the job's cached measurements beside them (``measurements``: ``dense.json``, the dense
+  perplexity), and the :class:`Fingerprint` of the run: per-part hashes of everything that changes the output (model
+  config and weights, dtype, calibration and held-out windows, options) plus the options themselves.
 
 Block ``k`` is recorded by writing ``block_{k}.pt`` and ``inputs_<key>_{k+1}.pt`` under new names, then atomically
 replacing ``progress.json`` (the commit point), then deleting block ``k``'s inputs. A crash anywhere in between
@@ -16,16 +17,27 @@ names (an interrupted write, ``*.tmp``) are removed on the next start. A restart
 calibration data or options, or with other numerics (:func:`numerics`: batch size, device, torch and transformers
 versions, CPU threads), stops with a :class:`CheckpointMismatch` naming what differs.
 
+**Integrity** (issue 47). A resume trusts nothing the marker does not vouch for: every file name it holds must be a
+name this module writes, inside the directory (no absolute or ``../`` path, no symbolic link leading out), and
+every file it reads must have the sha256 the marker recorded when it was committed; a file that cannot be loaded
+(e.g. a planted pickle, which ``weights_only=True`` refuses) is named as such. Each case is a
+:class:`CheckpointCorrupt` (a ``ValueError``: one line from the CLI) naming the file and how to start over. The hashes
+catch corruption and edits of the files; they are no defence against someone who rewrites the marker as well. A
+checkpoint of the previous format (no hashes) is refused as written by an older version.
+
 The out-of-core path (:func:`~sparseswaps_prune.llm.streaming.prune_checkpoint`) records its blocks with the same
 layout and protocol (:func:`commit_block`); its block files hold the layer reports only, since the block's pruned
-weights are already in its output shards.
+weights are already in its output shards. Its fingerprint hashes the source's files where the in-memory one hashes
+the loaded parameters, so a restart in the other mode is named as such (``--blockwise``), not as another model
+(:func:`check_mode` checks it from the marker alone, before a model is loaded).
 
 **Ranks** (``torch.distributed``, a directory every rank sees). Every rank holds the same weights after a block but
 only its own calibration windows (``calib_shards``), so each writes its own inputs, ``inputs_<key>_r<rank>_{k+1}.pt``,
-and rank 0 the block file; after a barrier rank 0 commits the marker, which names every rank's files, and removes
-the old ones; a second barrier lets no rank run ahead of the commit. A rank killed anywhere fails the run on every
-rank (their next collective call errors), and a restart with the same number of ranks resumes from the last
-committed block on every rank; the number of ranks is part of the fingerprint.
+and rank 0 the block file; once every rank has sent it the sha256 of its files, rank 0 commits the marker, which
+names (and hashes) every rank's files, and removes the old ones; a barrier lets no rank run ahead of the commit. A
+rank killed anywhere fails the run on every rank (their next collective call errors; a stopped rank, at the collective
+timeout), and a restart with the same number of ranks resumes from the last committed block on every rank; the number
+of ranks is part of the fingerprint. On a resume each rank checks the files it reads; one that fails tells the others.
 """
 
 from __future__ import annotations
@@ -33,6 +45,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import hashlib
+import io
 import json
 import logging
 import re
@@ -49,8 +62,9 @@ from sparseswaps_prune.llm.capture import BlockInputs
 
 logger = logging.getLogger(__name__)
 
-FORMAT = 2
+FORMAT = 3  # 3: content hashes of every file (issue 47); 2: per-part fingerprints
 PROGRESS = "progress.json"
+MEASUREMENTS = ("dense.json",)  # the job's cached measurements beside the checkpoint; the marker records their hashes
 STREAMS = ("fit", "holdout")  # the pipeline's token sets: calibration and held-out windows
 
 
@@ -64,12 +78,37 @@ INPUT_KEYS = STREAMS + tuple(dense_key(key) for key in STREAMS)  # every key a c
 # Every name this module writes (and the temporary files of their atomic writes); nothing else in the directory
 # (e.g. the job's dense.json) is ever removed.
 _OWN_FILE = re.compile(r"^(block_\d+\.pt|inputs_\w+\.pt|\.(block_|inputs_|progress\.json).*\.tmp)$")
+_BLOCK_FILE, _INPUT_FILE = re.compile(r"block_\d{4,}\.pt"), re.compile(r"inputs_\w+\.pt")
+# Settings only the block-wise path's fingerprint records (``streaming._fingerprint``): a checkpoint holding them was
+# made by ``prune_checkpoint`` (``--blockwise``), one without them by ``prune_model`` (in memory). The two hash the
+# weights differently (the source's files; the loaded parameters), so their model parts cannot be compared.
+BLOCKWISE_SETTINGS = ("max_shard_size", "output_plan")
 # Config entries that do not change the computation (paths, versions, the dtype: a part of its own).
 _CONFIG_IGNORED = {"_name_or_path", "transformers_version", "torch_dtype", "dtype", "_commit_hash"}
 
 
 class CheckpointMismatch(ValueError):
     """The checkpoint in a directory belongs to another run (its message says which part differs)."""
+
+
+class CheckpointCorrupt(CheckpointMismatch):
+    """A checkpoint cannot be trusted: a file differs from the hash its marker recorded, cannot be loaded, or the
+    marker names a path outside the checkpoint's directory (the message names the file and how to start over)."""
+
+
+def _start_over(state: Path) -> str:
+    return f"to start over, delete {state} or use a new output directory (--out)"
+
+
+def file_digest(path: str | Path) -> str:
+    """sha256 (hex) of a file's bytes, read in 16 MiB chunks."""
+    h = hashlib.sha256()
+    buffer = bytearray(16 << 20)
+    view = memoryview(buffer)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buffer):
+            h.update(view[:n])
+    return h.hexdigest()
 
 
 def to_plain(obj: Any) -> Any:
@@ -193,11 +232,20 @@ class Fingerprint:
             return None
         return cls(dict(data["parts"]), data.get("options"), dict(data.get("settings") or {}))
 
+    @property
+    def blockwise(self) -> bool:
+        """Whether this is the fingerprint of a block-wise run (``prune_checkpoint``, ``--blockwise``)."""
+        return any(key in self.parts for key in BLOCKWISE_SETTINGS)
+
     def differences(self, other: Fingerprint) -> list[str]:
         """What differs from ``other`` (the new run), in words, e.g. ``["another model (weights differ)"]``."""
         a, b = self.parts, other.parts
         changed = {key for key in a.keys() | b.keys() if a.get(key) != b.get(key)}
         out = []
+        if self.blockwise != other.blockwise:
+            # The two paths hash the model differently: name the mode, not a model that did not change.
+            out.append(_mode_change(self.blockwise, other.blockwise))
+            changed -= {"model_config", "model_weights", *BLOCKWISE_SETTINGS}
         if "dtype" in changed:
             out.append(f"another dtype ({a.get('dtype')} -> {b.get('dtype')})")
             changed.discard("model_weights")  # a cast changes every weight's bytes
@@ -217,6 +265,15 @@ class Fingerprint:
             diffs = [f"{k} {self.settings.get(k, '(none)')} -> {other.settings.get(k, '(none)')}" for k in settings]
             out.append(f"other settings: {'; '.join(diffs)}")
         return out
+
+
+def _mode_change(saved: bool, current: bool) -> str:
+    """A run's mode changed between a crash and its re-run, in words (``saved``, ``current``: blockwise)."""
+    mode = {True: "blockwise=True: block by block (--blockwise)", False: "blockwise=False: in memory"}
+    return (
+        f"another mode ({mode[saved]} -> {mode[current]}; to resume, re-run {'with' if saved else 'without'} "
+        "--blockwise as before)"
+    )
 
 
 def fingerprint(
@@ -251,7 +308,18 @@ def mismatch_message(state: Path, saved: Fingerprint | None, current: Fingerprin
         what = "was written by an older version (it records no per-part fingerprint)"
     else:
         what = f"was made with {' and '.join(saved.differences(current)) or 'another run'}"
-    return f"the checkpoint in {state} {what}; to start over, delete {state} or use a new output directory (--out)"
+    return f"the checkpoint in {state} {what}; {_start_over(state)}"
+
+
+def _format_message(state: Path, progress: dict[str, Any]) -> str | None:
+    """None if ``progress`` is of this version's :data:`FORMAT`, else why it is refused (older or newer)."""
+    found = progress.get("format")
+    if found == FORMAT:
+        return None
+    if isinstance(found, int) and not isinstance(found, bool) and found > FORMAT:
+        return f"the checkpoint in {state} was written by a newer version (format {found}); {_start_over(state)}"
+    why = "its files carry no content hashes" if found == 2 else "it records no per-part fingerprint"
+    return f"the checkpoint in {state} was written by an older version ({why}); {_start_over(state)}"
 
 
 def _read_progress(state: Path) -> dict[str, Any] | None:
@@ -260,10 +328,8 @@ def _read_progress(state: Path) -> dict[str, Any] | None:
         return None
     try:
         progress = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        raise CheckpointMismatch(
-            f"{path} is unreadable ({err}); to start over, delete {state} or use a new output directory (--out)"
-        ) from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise CheckpointCorrupt(f"{path} is unreadable ({err}); {_start_over(state)}") from None
     return progress if isinstance(progress, dict) else {}
 
 
@@ -274,17 +340,122 @@ def check(state: str | Path, current: Fingerprint) -> bool:
     progress = _read_progress(state)
     if progress is None:
         return False
-    saved = Fingerprint.from_dict(progress.get("fingerprint")) if progress.get("format") == FORMAT else None
-    message = mismatch_message(state, saved, current)
+    message = _format_message(state, progress)
+    if message is None:
+        message = mismatch_message(state, Fingerprint.from_dict(progress.get("fingerprint")), current)
     if message is not None:
         raise CheckpointMismatch(message)
     return True
+
+
+def check_mode(state: str | Path, blockwise: bool) -> None:
+    """Raise :class:`CheckpointMismatch` naming ``--blockwise`` if ``state`` holds a checkpoint made in the other
+    mode (block-wise or in memory; :attr:`Fingerprint.blockwise`). Reads only the marker, so a run can check this
+    before it loads the model; every other part is compared by :func:`check` once it is known."""
+    state = Path(state)
+    progress = _read_progress(state)
+    if progress is None or progress.get("format") != FORMAT:
+        return
+    saved = Fingerprint.from_dict(progress.get("fingerprint"))
+    if saved is not None and saved.blockwise != blockwise:
+        raise CheckpointMismatch(
+            f"the checkpoint in {state} was made with {_mode_change(saved.blockwise, blockwise)}; to start over, "
+            f"delete {state} or use a new output directory (--out)"
+        )
 
 
 def _named_files(progress: dict[str, Any] | None) -> set[str]:
     if progress is None:
         return set()
     return set(progress.get("blocks", [])) | set(progress.get("inputs", {}).values())
+
+
+def _confined(state: Path, name: Any, pattern: re.Pattern[str], what: str) -> Path:
+    """``state / name`` for a ``name`` from the marker that is a plain file name of this module's (``pattern``) and
+    stays inside ``state`` once resolved (no absolute or ``../`` path, no symbolic link leading out).
+
+    Raises:
+        CheckpointCorrupt: naming the path."""
+    path = state / name if isinstance(name, str) else None
+    if (
+        path is None
+        or not pattern.fullmatch(name)
+        or Path(name).name != name
+        or path.resolve().parent != state.resolve()
+    ):
+        raise CheckpointCorrupt(
+            f"the checkpoint in {state} names {name!r} as {what}, which is not a file of its own directory (an "
+            f"absolute or ../ path, a link leading out, or another name); refused: {_start_over(state)}"
+        )
+    return path
+
+
+def _validated(state: Path, progress: dict[str, Any]) -> dict[str, Any]:
+    """``progress`` (a marker of this :data:`FORMAT`) checked for shape and confinement: ``next_block`` an int >= 1,
+    ``blocks`` the names ``block_0000.pt`` ... of the finished blocks, ``inputs`` slot -> input file name, ``hashes``
+    a sha256 for every named file; every name inside ``state`` (:func:`_confined`).
+
+    Raises:
+        CheckpointCorrupt: naming what is wrong."""
+    next_block, blocks = progress.get("next_block"), progress.get("blocks")
+    inputs, hashes = progress.get("inputs"), progress.get("hashes")
+    malformed = (
+        isinstance(next_block, bool)
+        or not isinstance(next_block, int)
+        or next_block < 1
+        or not isinstance(blocks, list)
+        or not isinstance(inputs, dict)
+        or not isinstance(hashes, dict)
+        or not isinstance(progress.get("measurements", {}), dict)
+    )
+    if malformed:
+        raise CheckpointCorrupt(f"{state / PROGRESS} is malformed; {_start_over(state)}")
+    for name in blocks:
+        _confined(state, name, _BLOCK_FILE, "a block file")
+    for name in inputs.values():
+        _confined(state, name, _INPUT_FILE, "an inputs file")
+    if blocks != [f"block_{i:04d}.pt" for i in range(next_block)]:
+        raise CheckpointCorrupt(
+            f"{state / PROGRESS} is inconsistent (its blocks {blocks[:3]}... do not match next_block {next_block}); "
+            f"{_start_over(state)}"
+        )
+    unhashed = sorted(name for name in _named_files(progress) if not isinstance(hashes.get(name), str))
+    if unhashed:
+        raise CheckpointCorrupt(f"{state / PROGRESS} records no hash of {', '.join(unhashed)}; {_start_over(state)}")
+    return progress
+
+
+def _verify(path: Path, expected: str, state: Path) -> None:
+    """Raise :class:`CheckpointCorrupt` naming ``path`` if its sha256 is not ``expected``."""
+    if file_digest(path) != expected:
+        raise CheckpointCorrupt(_altered(path, state))
+
+
+def _altered(path: Path, state: Path) -> str:
+    return (
+        f"{path} differs from the file that was committed (its sha256 is not the one {PROGRESS} records: "
+        f"corrupted or altered); the checkpoint cannot be trusted: {_start_over(state)}"
+    )
+
+
+def _unloadable(path: Path, err: BaseException, state: Path) -> CheckpointCorrupt:
+    """The error for a checkpoint file that ``torch.load`` refuses (a planted pickle, a truncated file, ...)."""
+    reason = " ".join(str(err).split())[:200] or type(err).__name__
+    return CheckpointCorrupt(f"{path} cannot be loaded ({type(err).__name__}: {reason}); {_start_over(state)}")
+
+
+def recorded_hash(state: str | Path, name: str) -> str | None:
+    """The sha256 the committed marker in ``state`` records for the measurement file ``name`` (one of
+    :data:`MEASUREMENTS`, e.g. the job's ``dense.json``), or None (no marker, another format, not recorded)."""
+    state = Path(state)
+    try:
+        progress = _read_progress(state)
+    except CheckpointMismatch:
+        return None
+    if progress is None or progress.get("format") != FORMAT or not isinstance(progress.get("measurements"), dict):
+        return None
+    found = progress["measurements"].get(name)
+    return found if isinstance(found, str) else None
 
 
 def _remove(path: Path) -> None:
@@ -321,11 +492,25 @@ class Resumed:
     next_block: int
     inputs: dict[str, BlockInputs]
     block_files: list[str]
+    hashes: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def blocks(self) -> Iterator[tuple[int, dict[str, Any]]]:
-        """``(index, payload)`` of every finished block, loaded one at a time."""
+        """``(index, payload)`` of every finished block, loaded one at a time, each checked against the sha256 the
+        marker records (read once: hashed, then loaded from memory).
+
+        Raises:
+            CheckpointCorrupt: a block file differs from its hash or cannot be loaded."""
         for index, name in enumerate(self.block_files):
-            yield index, torch.load(self.state / name, weights_only=True)
+            path = self.state / name
+            data = path.read_bytes()
+            if hashlib.sha256(data).hexdigest() != self.hashes.get(name):
+                raise CheckpointCorrupt(_altered(path, self.state))
+            try:
+                payload = torch.load(io.BytesIO(data), weights_only=True)
+            except Exception as err:
+                raise _unloadable(path, err, self.state) from err
+            del data
+            yield index, payload
 
 
 def load(state: str | Path, current: Fingerprint, ranks: Any = None) -> Resumed | None:
@@ -336,27 +521,40 @@ def load(state: str | Path, current: Fingerprint, ranks: Any = None) -> Resumed 
     if not check(state, current):
         remove_strays(state, None)
         return None
-    progress = _read_progress(state)
+    progress = _validated(state, _read_progress(state))
     names = _named_files(progress)
     missing = sorted(name for name in names if not (state / name).is_file())
     if missing:
         raise CheckpointMismatch(
-            f"the checkpoint in {state} is incomplete ({', '.join(missing)} missing); to start over, delete "
-            f"{state} or use a new output directory (--out)"
+            f"the checkpoint in {state} is incomplete ({', '.join(missing)} missing); {_start_over(state)}"
         )
-    remove_strays(state, progress)
-    next_block = int(progress["next_block"])
+    next_block, hashes = progress["next_block"], progress["hashes"]
     own = {_input_slot(key, None if ranks is None else ranks.rank): key for key in INPUT_KEYS}
-    inputs = {own[slot]: BlockInputs.load(state / name) for slot, name in sorted(progress["inputs"].items())
-              if slot in own}  # fmt: skip
+    inputs, error = {}, None
+    try:  # this rank's inputs; a rank that fails tells the others, so that every rank stops, none waits
+        for slot, name in sorted(progress["inputs"].items()):
+            if slot in own:
+                _verify(state / name, hashes[name], state)
+                try:
+                    inputs[own[slot]] = BlockInputs.load(state / name)
+                except Exception as err:
+                    raise _unloadable(state / name, err, state) from err
+    except CheckpointCorrupt as err:
+        error = str(err)
+    if ranks is not None and ranks.world_size > 1:
+        errors = [ranks.broadcast(error, src=r) for r in range(ranks.world_size)]
+        error = next((e for e in errors if e is not None), None)
+    if error is not None:
+        raise CheckpointCorrupt(error)
+    remove_strays(state, progress)
     for key, part in inputs.items():
         if part.block_index != next_block:
             raise CheckpointMismatch(
                 f"the checkpoint in {state} is inconsistent ({key} inputs feed block {part.block_index}, the marker "
-                f"says block {next_block}); to start over, delete {state} or use a new output directory (--out)"
+                f"says block {next_block}); {_start_over(state)}"
             )
     logger.info("resuming at block %d from %s", next_block, state)
-    return Resumed(state, next_block, inputs, list(progress["blocks"]))
+    return Resumed(state, next_block, inputs, list(progress["blocks"]), dict(hashes))
 
 
 def save_block(
@@ -408,9 +606,10 @@ def commit_block(
     """Record block ``index`` as finished: ``payload`` (what resuming needs of the block, e.g. its reports; rank 0's
     is written to ``block_{index}.pt``, other ranks pass None), the next block's ``inputs``, then the progress marker
     (the commit point), then delete what the previous marker named and this one does not. Whatever else the block
-    left on disk must be durable before this is called. With ``ranks``
-    (:class:`~sparseswaps_prune.llm.distributed.Ranks`) every rank calls this: each writes its own inputs, rank 0
-    the block and the marker (see the module docstring)."""
+    left on disk must be durable before this is called. The marker records the sha256 of every file it names (those
+    of earlier blocks carried over from the previous marker) and of the :data:`MEASUREMENTS` present. With ``ranks``
+    (:class:`~sparseswaps_prune.llm.distributed.Ranks`) every rank calls this: each writes and hashes its own
+    inputs and sends the hashes to rank 0, which writes the block and the marker (see the module docstring)."""
     state = Path(state)
     main = ranks is None or ranks.is_main
     block_file = f"block_{index:04d}.pt"
@@ -430,9 +629,16 @@ def commit_block(
             save_torch(payload, state / block_file)
         for key, part in sorted(inputs.items()):
             part.save(state / own_files[key])
-        if ranks is not None:
-            ranks.barrier()  # every rank's files are written
+        hashes = {name: file_digest(state / name) for name in own_files.values()}
+        if ranks is not None:  # every rank's files are written once rank 0 has received every rank's hashes
+            for r in range(ranks.world_size):
+                hashes |= ranks.broadcast(hashes if r == rank else None, src=r) or {}
         if main:
+            hashes[block_file] = file_digest(state / block_file)
+            progress["hashes"] = _earlier_hashes(state, progress["blocks"][:-1]) | hashes
+            progress["measurements"] = {
+                name: file_digest(state / name) for name in MEASUREMENTS if (state / name).is_file()
+            }
             save_json(progress, state / PROGRESS)
     except Exception:
         # e.g. a full disk: free what this uncommitted block wrote (no marker names it). An interrupt leaves it,
@@ -444,6 +650,15 @@ def commit_block(
         remove_strays(state, progress)
     if ranks is not None:
         ranks.barrier()  # no rank runs ahead of the commit
+
+
+def _earlier_hashes(state: Path, names: list[str]) -> dict[str, str]:
+    """The hashes of the block files ``names`` (earlier blocks): those the committed marker records, else (never
+    in a run of this version) their files' own."""
+    previous = _read_progress(state) or {}
+    recorded = previous.get("hashes") if isinstance(previous.get("hashes"), dict) else {}
+    return {name: recorded[name] if isinstance(recorded.get(name), str) else file_digest(state / name)
+            for name in names}  # fmt: skip
 
 
 def remove_checkpoint(state: str | Path) -> None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
@@ -309,6 +310,43 @@ def _check_sizes(nsamples: int, seqlen: int) -> None:
             raise ValueError(f"{name} must be at least 1, got {value}.")
 
 
+def _physical_memory() -> int | None:
+    """This machine's physical memory in bytes (None where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
+def check_window_budget(nsamples: int, seqlen: int, holdout: int = 0, *, memory: int | None = None) -> None:
+    """Raise ``ValueError`` naming ``nsamples`` or ``holdout`` if the token ids of ``nsamples + holdout`` windows of
+    ``seqlen`` tokens (int64, the least any calibration holds of them) exceed ``memory`` bytes (default: this
+    machine's physical memory; no check where it is unknown). Windows may overlap, so any count can be drawn from a
+    text of at least ``seqlen`` tokens; this catches counts that could only end in an allocation error, before any
+    text or model is read. Non-int sizes are left to the callers' own checks."""
+    sizes = (nsamples, seqlen, holdout)
+    if any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in sizes):
+        return
+    memory = _physical_memory() if memory is None else memory
+    if memory is None:
+        return
+    per_window = seqlen * torch.int64.itemsize
+    gib = lambda n: f"{n / 2**30:.3g} GiB"  # noqa: E731
+    if nsamples * per_window > memory:
+        raise ValueError(
+            f"nsamples={nsamples} (--nsamples) windows of seqlen={seqlen} tokens need {gib(nsamples * per_window)} "
+            f"for their token ids alone, more than this machine's {gib(memory)} of memory; use a smaller --nsamples "
+            f"(at most {memory // per_window}) or --seqlen"
+        )
+    if (nsamples + holdout) * per_window > memory:
+        raise ValueError(
+            f"holdout={holdout} (--holdout) held-out windows of seqlen={seqlen} tokens, with the {nsamples} "
+            f"calibration windows, need {gib((nsamples + holdout) * per_window)} for their token ids alone, more "
+            f"than this machine's {gib(memory)} of memory; use a smaller --holdout (at most "
+            f"{memory // per_window - nsamples})"
+        )
+
+
 def _random_windows(
     ids: torch.Tensor, nsamples: int, seqlen: int, seed: int, source: str, holdout: int = 0
 ) -> torch.Tensor:
@@ -339,12 +377,19 @@ def _random_windows(
     generator = torch.Generator().manual_seed(seed)
     starts = torch.randint(0, total - seqlen + 1, (nsamples,), generator=generator)
     if holdout:
-        candidates = torch.arange(total - seqlen + 1)
-        free = ((candidates[:, None] - starts[None, :]).abs() >= seqlen).all(dim=1)
+        count = total - seqlen + 1
+        candidates = torch.arange(count)
+        # A start is free if no calibration start lies within seqlen - 1 of it: mark the blocked ranges
+        # [s - seqlen + 1, s + seqlen) by +1/-1 at their ends and a running sum (O(count + nsamples) memory).
+        marks = torch.zeros(count + 1, dtype=torch.int64)
+        marks.index_add_(0, (starts - seqlen + 1).clamp_min(0), torch.ones_like(starts))
+        marks.index_add_(0, (starts + seqlen).clamp_max(count), torch.full_like(starts, -1))
+        free = marks[:count].cumsum(0) == 0
         if not bool(free.any()):
             raise ValueError(
                 f"Calibration source {source!r} ({total} tokens) has no room for held-out windows disjoint from "
-                f"{nsamples} x {seqlen} calibration windows; use fewer or shorter windows, or more text."
+                f"{nsamples} x {seqlen} calibration windows; use a smaller --nsamples or --seqlen, --holdout 0, or "
+                "more text."
             )
         pick = torch.randint(0, int(free.sum()), (holdout,), generator=generator)
         starts = torch.cat([starts, candidates[free][pick]])
@@ -441,6 +486,7 @@ def load_calibration(
     _check_sizes(nsamples, seqlen)
     if isinstance(holdout, bool) or not isinstance(holdout, int) or holdout < 0:
         raise ValueError(f"holdout must be an int >= 0, got {holdout!r}.")
+    check_window_budget(nsamples, seqlen, holdout)
     if source == "c4":
         require("llm", "datasets")
         import datasets

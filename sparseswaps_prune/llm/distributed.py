@@ -47,11 +47,23 @@ threads). A different ``S`` sums in another order, so its results differ from ``
 
 Works with any backend that supports ``broadcast`` and ``broadcast_object_list`` (``gloo`` on the CPU, ``nccl`` on
 GPUs, where the current CUDA device must be set per rank and the compute device must be that GPU).
+
+**A stalled rank** (issue 47). :func:`init_from_env` gives the process group a timeout for collective operations
+(``--collective-timeout``, :data:`DEFAULT_COLLECTIVE_TIMEOUT` seconds; gloo's own default is 30 minutes): a rank that
+waits longer than that for the others fails. Every collective operation of :class:`Ranks` first records, in the
+group's rendezvous store, how many this rank has entered; when one times out, the rank reads the others' counts and
+raises :class:`CollectiveTimeout` (a ``TimeoutError``: one line from the CLI, exit 2) naming the ranks that did not
+reach it and the option to raise. The store is read with a bounded wait: under ``torchrun`` its agent serves it; where
+rank 0 serves it and is the rank that stopped, the message says so. With NCCL, torch's watchdog ends the process at the
+timeout instead (its log names the operation).
 """
 
 from __future__ import annotations
 
+import datetime
+import math
 import os
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -63,7 +75,9 @@ from sparseswaps_prune.core.gram import GramAccumulator
 from sparseswaps_prune.modules import PrunableLayer
 
 __all__ = [
+    "DEFAULT_COLLECTIVE_TIMEOUT",
     "MIN_SHARD_ROWS",
+    "CollectiveTimeout",
     "Ranks",
     "WindowShards",
     "WorkUnit",
@@ -75,18 +89,46 @@ __all__ = [
 
 # What torchrun (torch.distributed.run) sets for every process it launches.
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+DEFAULT_COLLECTIVE_TIMEOUT = 600.0
+"""Seconds a rank waits for the others in one collective operation before the run fails (``--collective-timeout``;
+torch's default for NCCL; gloo's is 1800). A rank waits about as long as the slowest rank's share of one block, and
+the other ranks wait while rank 0 alone measures the perplexity and saves the model: raise it where one of these
+takes longer than this."""
+MAX_COLLECTIVE_TIMEOUT = 7 * 24 * 3600.0
+# Per process: the collective operations entered through Ranks (default group), and the timeout init_from_env set.
+_COLLECTIVES: dict[str, Any] = {"count": 0, "timeout": None}
+_STORE_KEY = "sparseswaps/collectives/rank{}"
 
 
-def init_from_env(device: str | torch.device = "cpu") -> Ranks:
+class CollectiveTimeout(TimeoutError):
+    """A collective operation got no answer within the process group's timeout; the message names the ranks that
+    did not reach it and ``--collective-timeout``."""
+
+
+def check_collective_timeout(timeout: Any) -> float:
+    """``timeout`` as float seconds. Raises ``ValueError``/``TypeError`` naming ``--collective-timeout``."""
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise TypeError(f"collective_timeout (--collective-timeout) must be a number of seconds, got {timeout!r}")
+    if not (0 < timeout <= MAX_COLLECTIVE_TIMEOUT) or math.isnan(timeout):
+        raise ValueError(
+            f"collective_timeout (--collective-timeout) must be in (0, {MAX_COLLECTIVE_TIMEOUT:g}] seconds, got "
+            f"{timeout!r}"
+        )
+    return float(timeout)
+
+
+def init_from_env(device: str | torch.device = "cpu", timeout: float = DEFAULT_COLLECTIVE_TIMEOUT) -> Ranks:
     """Initialise the default process group of a process launched by ``torchrun``: NCCL when ``device`` is a CUDA
-    device (each process on GPU ``LOCAL_RANK``, made the current device, so ``"cuda"`` means it), gloo otherwise.
-    A group already initialised is used as it is. On the CPU the numba swap search is limited to torch's thread
-    count (``OMP_NUM_THREADS``, which torchrun sets to 1 by default): numba would otherwise take every core in
-    every rank.
+    device (each process on GPU ``LOCAL_RANK``, made the current device, so ``"cuda"`` means it), gloo otherwise,
+    with ``timeout`` seconds for each collective operation (a rank that waits longer fails the run with
+    :class:`CollectiveTimeout`, see the module docstring). A group already initialised is used as it is (with its
+    own timeout). On the CPU the numba swap search is limited to torch's thread count (``OMP_NUM_THREADS``, which
+    torchrun sets to 1 by default): numba would otherwise take every core in every rank.
 
     Raises:
-        ValueError: the process was not launched by torchrun (names the command).
+        ValueError: the process was not launched by torchrun (names the command), or a bad ``timeout``.
     """
+    timeout = check_collective_timeout(timeout)
     if dist.is_available() and dist.is_initialized():
         return Ranks.current()
     missing = [name for name in TORCHRUN_ENV if name not in os.environ]
@@ -101,8 +143,85 @@ def init_from_env(device: str | torch.device = "cpu") -> Ranks:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     else:
         match_numba_threads()
-    dist.init_process_group("nccl" if cuda else "gloo")
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=timeout))
+    _COLLECTIVES["timeout"] = timeout
     return Ranks.current()
+
+
+def _store() -> Any:
+    """The default group's rendezvous store, or None."""
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:  # a private helper: absent or failing in another torch, or no group
+        return None
+
+
+def _mark(rank: int) -> int:
+    """Count a collective operation this rank enters and record the count in the store; returns it."""
+    _COLLECTIVES["count"] += 1
+    store = _store()
+    if store is not None:
+        try:
+            store.set(_STORE_KEY.format(rank), str(_COLLECTIVES["count"]))
+        except Exception:  # the store is only for the message; the collective itself will tell
+            pass
+    return _COLLECTIVES["count"]
+
+
+def _counts(world_size: int, wait: float) -> dict[int, int | None] | None:
+    """Each rank's count of collective operations entered, as the store holds them (None: never), read in a thread
+    for at most ``wait`` seconds; None if the store does not answer (its server may be the stopped rank)."""
+    store, found = _store(), {}
+
+    def read() -> None:
+        for r in range(world_size):
+            key = _STORE_KEY.format(r)
+            found[r] = int(store.get(key)) if store.check([key]) else None
+
+    if store is None:
+        return None
+    thread = threading.Thread(target=read, daemon=True)
+    thread.start()
+    thread.join(wait)
+    return None if thread.is_alive() or len(found) < world_size else found
+
+
+def _timed_out(ranks: Ranks, number: int, what: str, err: BaseException) -> CollectiveTimeout:
+    """The error of collective operation ``number`` (``what``) timing out on this rank, naming who did not reach it."""
+    timeout = _COLLECTIVES["timeout"]
+    if timeout is None:
+        store = _store()
+        timeout = getattr(getattr(store, "timeout", None), "total_seconds", lambda: None)()
+    limit = "the process group's timeout" if timeout is None else f"the collective timeout of {timeout:g} s"
+    counts = _counts(ranks.world_size, 3.0) if ranks.group is None else None  # a store that answers does at once
+    if ranks.group is not None:
+        who = "which rank did not answer is not recorded for a process group other than the default one"
+    elif counts is None:
+        who = "which rank did not answer is unknown (the rendezvous store does not answer either"
+        who += (
+            ": rank 0 serves it unless torchrun's agent does, so rank 0 is likely the one stopped)"
+            if ranks.rank
+            else ")"
+        )
+    else:
+        behind = [r for r, n in sorted(counts.items()) if r != ranks.rank and (n is None or n < number)]
+        if behind:
+            last = ", ".join(f"rank {r} at #{counts[r] or 0}" for r in behind)
+            who = f"rank{'s' if len(behind) > 1 else ''} {', '.join(map(str, behind))} did not reach it ({last})"
+        else:
+            who = "every rank reached it (a network problem?)"
+    return CollectiveTimeout(
+        f"rank {ranks.rank}: {what} (collective operation #{number}) got no answer within {limit}: {who}. A rank "
+        "that is stopped, hung or far slower than the others fails the run; re-run the same command to resume from "
+        "the last finished block. If a rank needs longer between two collective operations (a large layer on the "
+        f"CPU), raise --collective-timeout (collective_timeout{'' if timeout is None else f', now {timeout:g} s'}). "
+        f"({' '.join(str(err).split())[:200]})"
+    )
+
+
+def _is_timeout(err: BaseException) -> bool:
+    text = str(err).lower()
+    return "timed out" in text or "timeout" in text
 
 
 def match_numba_threads() -> int:
@@ -245,27 +364,47 @@ class Ranks:
         """True on rank 0 (the rank that writes outputs and shows progress)."""
         return self.rank == 0
 
+    def _collective(self, what: str, call: Any) -> Any:
+        """``call()``, a collective operation every rank makes, counted (in the store: :func:`_mark`); a timeout
+        becomes :class:`CollectiveTimeout` naming the ranks that did not reach it."""
+        number = _mark(self.rank) if self.group is None else 0
+        try:
+            return call()
+        except RuntimeError as err:  # gloo: "Timed out waiting ... for recv operation to complete"
+            if not _is_timeout(err):
+                raise
+            raise _timed_out(self, number, what, err) from err
+
     def broadcast(self, obj: Any, src: int) -> Any:
-        """``obj`` from rank ``src`` on every rank (pickled; tensors keep their bits)."""
+        """``obj`` from rank ``src`` on every rank (pickled; tensors keep their bits).
+
+        Raises:
+            CollectiveTimeout: some rank did not take part within the group's timeout (named)."""
         if self.world_size == 1:
             return obj
         box = [obj if self.rank == src else None]
         root = src if self.group is None else dist.get_global_rank(self.group, src)
-        dist.broadcast_object_list(box, src=root, group=self.group)
+        self._collective(f"a broadcast from rank {src}", lambda: dist.broadcast_object_list(box, root, self.group))
         return box[0]
 
     def broadcast_tensor(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
         """Overwrite ``tensor`` (contiguous, same shape, dtype and device type on every rank) in place with rank
-        ``src``'s bits; returns it."""
+        ``src``'s bits; returns it.
+
+        Raises:
+            CollectiveTimeout: as :meth:`broadcast`."""
         if self.world_size > 1:
             root = src if self.group is None else dist.get_global_rank(self.group, src)
-            dist.broadcast(tensor, src=root, group=self.group)
+            self._collective(f"a tensor broadcast from rank {src}", lambda: dist.broadcast(tensor, root, self.group))
         return tensor
 
     def barrier(self) -> None:
-        """Wait until every rank gets here."""
+        """Wait until every rank gets here.
+
+        Raises:
+            CollectiveTimeout: as :meth:`broadcast`."""
         if self.world_size > 1:
-            dist.barrier(group=self.group)
+            self._collective("a barrier", lambda: dist.barrier(group=self.group))
 
 
 @dataclass(frozen=True)

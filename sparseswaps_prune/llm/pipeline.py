@@ -29,7 +29,7 @@ from sparseswaps_prune.core.budgets import OWL_LAMBDA, OWL_M, PROFILES, check_ow
 from sparseswaps_prune.core.checks import check_budget, check_device, check_keeps_some, check_number
 from sparseswaps_prune.core.gram import GramAccumulator
 from sparseswaps_prune.core.layer import LayerOutcome, prune_layer
-from sparseswaps_prune.core.spec import DEFAULT_SPEC, Budget, DSnoTRefine, PruneSpec
+from sparseswaps_prune.core.spec import Budget, DSnoTRefine, PruneSpec
 from sparseswaps_prune.llm import block_tune, checkpoint, offload
 from sparseswaps_prune.llm.block_tune import BlockTuneReport, check_tune, tune_block
 from sparseswaps_prune.llm.budgets import BlockLoader, owl_block_sparsities
@@ -38,6 +38,7 @@ from sparseswaps_prune.llm.checkpoint import STREAMS, dense_key
 from sparseswaps_prune.llm.distributed import Ranks, WindowShards, plan_work, sum_shard_grams
 from sparseswaps_prune.llm.layers import find_blocks, group_by_input
 from sparseswaps_prune.modules import PrunableLayer, apply_mask, find_layers, input_hooks, replace_weight_mask
+from sparseswaps_prune.recipes import RECIPES, recipe_name
 
 logger = logging.getLogger(__name__)
 
@@ -47,8 +48,10 @@ class PruneOptions:
     """What the pipeline prunes and how. Every field is recorded in the run's config.
 
     Attributes:
-        spec: how each layer is pruned (:class:`~sparseswaps_prune.core.spec.PruneSpec`; default
-            :data:`~sparseswaps_prune.core.spec.DEFAULT_SPEC`, what ``sparseswaps prune`` runs).
+        recipe: a name in :data:`~sparseswaps_prune.recipes.RECIPES` (default ``"best"``: ALPS's solution, then block
+            tuning), the same table as ``sparseswaps prune --recipe``: ``PruneOptions(recipe="alps")`` runs what
+            ``--recipe alps`` runs. It gives ``spec`` and ``block_tune_epochs`` where they are None.
+        spec: how each layer is pruned (:class:`~sparseswaps_prune.core.spec.PruneSpec`; None: the recipe's).
         include, exclude: fnmatch patterns on fully qualified layer names (default: every linear in
             every decoder block; ``lm_head`` and embeddings are outside the blocks and never pruned).
         gram_dtype: ``"float32"`` or ``"float64"`` Gram accumulation.
@@ -73,8 +76,8 @@ class PruneOptions:
             layer, not N:M); not supported with ``distributed=True`` or the block-wise streaming path in this version.
         owl_m: OWL's outlier threshold ``M`` (> 0; scores above ``M`` times the block's mean are outliers).
         owl_lambda: OWL's ``lambda`` (>= 0): the block sparsities span at most ``2 * lambda``.
-        block_tune_epochs: after each block's layers are pruned, tune their kept weights for this many epochs so that
-            the pruned block reproduces the dense model's output of that block
+        block_tune_epochs: (None: the recipe's) after each block's layers are pruned, tune their kept weights for
+            this many epochs so that the pruned block reproduces the dense model's output of that block
             (:func:`~sparseswaps_prune.llm.block_tune.tune_block`; the epoch with the lowest error on the held-out
             windows is kept, 0 included); 0: no block tuning. The pipeline then carries the dense model's block inputs
             beside the pruned model's (twice the captured inputs in memory and in checkpoints). With
@@ -85,7 +88,8 @@ class PruneOptions:
         block_tune_schedule: its learning-rate schedule, ``"constant"`` or ``"cosine"`` (decayed to 0 over all steps).
     """
 
-    spec: PruneSpec = DEFAULT_SPEC
+    recipe: str | None = None
+    spec: PruneSpec | None = None
     include: list[str] | None = None
     exclude: list[str] | None = None
     gram_dtype: str = "float32"
@@ -95,9 +99,17 @@ class PruneOptions:
     sparsity_profile: str = "uniform"
     owl_m: float = OWL_M
     owl_lambda: float = OWL_LAMBDA
-    block_tune_epochs: int = block_tune.BLOCK_TUNE_EPOCHS
+    block_tune_epochs: int | None = None
     block_tune_lr: float = block_tune.BLOCK_TUNE_LR
     block_tune_schedule: str = block_tune.BLOCK_TUNE_SCHEDULE
+
+    def __post_init__(self) -> None:
+        self.recipe = recipe_name(self.recipe)
+        recipe = RECIPES[self.recipe]
+        if self.spec is None:
+            self.spec = recipe.spec
+        if self.block_tune_epochs is None:
+            self.block_tune_epochs = recipe.block_tune_epochs
 
     def validate(self) -> None:
         """Raise ``ValueError``/``TypeError`` naming the bad option."""
@@ -117,6 +129,20 @@ class PruneOptions:
         check_owl_m(self.owl_m)
         check_number(self.owl_lambda, "owl_lambda", low=0.0)
         check_tune(self.block_tune_epochs, self.block_tune_lr, self.block_tune_schedule)
+        if self.block_tune_epochs == 0:
+            unused = [
+                f"{name} (--{name.replace('_', '-')})"
+                for name, default in (
+                    ("block_tune_lr", block_tune.BLOCK_TUNE_LR),
+                    ("block_tune_schedule", block_tune.BLOCK_TUNE_SCHEDULE),
+                )
+                if getattr(self, name) != default
+            ]
+            if unused:
+                raise ValueError(
+                    f"{', '.join(unused)} set block tuning, but block_tune_epochs is 0 (the {self.recipe} recipe's, or "
+                    "--block-tune-epochs 0): give --block-tune-epochs N, or drop them"
+                )
         if self.sparsity_profile == "owl" and self.spec.budget.nm is not None:
             raise ValueError(
                 f"sparsity_profile='owl' gives each block its own sparsity, but the budget is "
@@ -135,15 +161,18 @@ class PruneOptions:
 
     def describe(self) -> str:
         """The spec's description (:meth:`~sparseswaps_prune.core.spec.PruneSpec.describe`) and a non-uniform
-        profile, e.g. ``60% per row (OWL M=5 lambda=0.08): wanda -> ...``."""
+        profile, after the recipe's name, e.g. ``sparseswaps-refit: 60% per row (OWL M=5 lambda=0.08): wanda -> ...``
+        (``(changed)`` after the name when options changed the recipe's spec or tuning)."""
+        recipe = RECIPES[self.recipe]
+        changed = (self.spec, self.block_tune_epochs) != (recipe.spec, recipe.block_tune_epochs)
         text = self.spec.describe()
         if self.block_tune_epochs:
             text += f" -> block tune {self.block_tune_epochs} epochs lr {self.block_tune_lr:g}"
             text += "" if self.block_tune_schedule == block_tune.BLOCK_TUNE_SCHEDULE else f" {self.block_tune_schedule}"
-        if self.sparsity_profile == "uniform":
-            return text
-        head, sep, tail = text.partition(":")
-        return f"{head} (OWL M={self.owl_m:g} lambda={self.owl_lambda:g}){sep}{tail}"
+        if self.sparsity_profile != "uniform":
+            head, sep, tail = text.partition(":")
+            text = f"{head} (OWL M={self.owl_m:g} lambda={self.owl_lambda:g}){sep}{tail}"
+        return f"{self.recipe}{' (changed)' if changed else ''}: {text}"
 
     def to_dict(self) -> dict:
         """JSON-ready dict (``from_dict`` inverts it)."""
@@ -551,11 +580,29 @@ def _process_block(
                     for layer, weight in zip(layers, weights, strict=True):
                         layer.module.weight_orig.copy_(weight)
             result.block_tunes.append(tuned)
+        check_finite_layers(layers, index)
         inputs = {key: part.run_block(block, device) for key, part in streams.items()}
         inputs |= {dense_key(key): target for key, target in targets.items()}
     if not dispatched:
         _to_cpu(blocks[index], layers)
     return layers, reports, inputs
+
+
+def check_finite_layers(layers: list[PrunableLayer], index: int) -> None:
+    """Raise ``ValueError`` naming the block and layer if a pruned layer's weights are not finite (nothing of the
+    block is committed or saved then): e.g. a weight update beyond float16's range (65504) written into a float16
+    model."""
+    for layer in layers:
+        module = layer.module
+        weight = getattr(module, "weight_orig", module.weight).detach()
+        if not bool(torch.isfinite(weight).all()):
+            rows = int((~torch.isfinite(weight)).any(dim=-1).sum())
+            fp16 = weight.dtype == torch.float16
+            hint = " (float16 holds at most 65504: prune in bfloat16 or float32, --dtype)" if fp16 else ""
+            raise ValueError(
+                f"block {index}, layer {layer.name}: the pruned weights are not finite in {rows} rows of "
+                f"{weight.shape[0]} ({weight.dtype}){hint}; nothing of this block was saved"
+            )
 
 
 def _prune_block(

@@ -38,6 +38,15 @@ truncating them (their headers and sizes must be the planned ones), skips the ca
 restores the finished blocks' reports and continues at block ``k + 1``: the output files and the reports are those of
 an uninterrupted call, byte for byte. The checkpoint's files are removed when the call succeeds.
 
+**Checked when opened** (issue 47). A source is checked before anything is pruned or written: every safetensors
+shard's header must parse (:func:`read_safetensors_header`), each tensor's dtype must be one safetensors defines, its
+``data_offsets`` must span exactly ``numel * itemsize`` bytes, the tensors must tile the data without gaps or
+overlaps, and the file must end where the header says (a shard cut short is found here, not after some blocks were
+committed); the index must parse and name shards inside the directory; every tensor of the model must be in the
+checkpoint with the config's shape, and a floating-point one stored in a floating-point dtype. A GGUF file must be read
+by ``gguf``'s reader and hold every tensor's bytes. Each failure is one ``ValueError`` line naming the file and the
+tensor.
+
 Limits: safetensors checkpoints and local GGUF files only (not ``.bin``, not hub names); checkpoint names must be
 the model's own parameter names (optionally without the base-model prefix), so models whose weights transformers
 renames or fuses on load (some mixture-of-experts models) are refused; GGUF architectures that transformers loads
@@ -87,8 +96,10 @@ __all__ = [
     "SafetensorsCheckpoint",
     "ShardedWriter",
     "StreamResult",
+    "check_stored_dtype",
     "open_checkpoint",
     "prune_checkpoint",
+    "read_safetensors_header",
 ]
 
 SAFE_WEIGHTS_NAME = "model.safetensors"
@@ -115,6 +126,11 @@ for _name, _code in (("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2")):
     if hasattr(torch, _name):
         _DTYPE_NAMES[getattr(torch, _name)] = _code
 _SIZE_UNITS = {"TB": 10**12, "GB": 10**9, "MB": 10**6, "KB": 10**3}
+# Bytes per element of every safetensors dtype this reader accepts, and those of them that hold floating-point values
+# (what a model's floating parameters may be stored in: ``from_pretrained`` casts them to the model's dtype).
+_ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
+             "I32": 4, "U32": 4, "F32": 4, "F64": 8, "I64": 8, "U64": 8}  # fmt: skip
+_FLOAT_CODES = {code for dtype, code in _DTYPE_NAMES.items() if dtype.is_floating_point}
 
 
 def parse_size(size: int | str) -> int:
@@ -153,10 +169,82 @@ def _natural_key(name: str) -> list[tuple]:
 
 
 def _read_header(path: Path) -> dict[str, Any]:
-    """The JSON header of a safetensors file (tensor names -> dtype, shape, offsets)."""
+    """The JSON header of a safetensors file (tensor names -> dtype, shape, offsets), checked
+    (:func:`read_safetensors_header`)."""
+    return read_safetensors_header(path)
+
+
+def _corrupt(path: Path, why: str) -> ValueError:
+    return ValueError(f"{path} is not a valid safetensors file: {why}; re-download or re-save the model")
+
+
+def read_safetensors_header(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The JSON header of the safetensors file ``path`` (tensor names -> ``dtype``, ``shape``, ``data_offsets``; and
+    ``__metadata__``), after checking what can be checked without reading the tensors: the header parses, each
+    tensor's dtype is one safetensors defines and its offsets span ``numel * itemsize`` bytes, the tensors tile the data
+    in order without gaps or overlaps, and the file ends where the last tensor does.
+
+    Raises:
+        ValueError: one line naming the file, the tensor and what is wrong (e.g. a file cut short, a dtype changed).
+    """
+    path = Path(path)
+    size = path.stat().st_size
     with open(path, "rb") as f:
-        (size,) = struct.unpack("<Q", f.read(8))
-        return json.loads(f.read(size))
+        head = f.read(8)
+        if len(head) < 8:
+            raise _corrupt(path, f"it has {size} bytes, fewer than the 8 of its header's length")
+        (length,) = struct.unpack("<Q", head)
+        if length > size - 8:
+            raise _corrupt(path, f"its header claims {length} bytes, but only {size - 8} follow (cut short?)")
+        raw = f.read(length)
+    try:
+        header = json.loads(raw)
+    except ValueError as err:  # JSONDecodeError, UnicodeDecodeError
+        raise _corrupt(path, f"its JSON header does not parse ({err})") from None
+    if not isinstance(header, dict):
+        raise _corrupt(path, "its header is not a JSON object")
+    spans = []
+    for key, info in header.items():
+        if key == "__metadata__":
+            if info is not None and not isinstance(info, dict):
+                raise _corrupt(path, "its __metadata__ is not a JSON object")
+            continue
+        where = f"tensor {key}"
+        if not isinstance(info, dict):
+            raise _corrupt(path, f"{where} has no dtype, shape and data_offsets")
+        dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+        if dtype not in _ITEMSIZE:
+            raise _corrupt(path, f"{where} has dtype {dtype!r}, not one of {', '.join(_ITEMSIZE)}")
+        if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
+                                                  for d in shape):  # fmt: skip
+            raise _corrupt(path, f"{where} has shape {shape!r}, not a list of sizes")
+        if (
+            not isinstance(offsets, list)
+            or len(offsets) != 2
+            or not all(isinstance(o, int) and not isinstance(o, bool) and o >= 0 for o in offsets)
+            or offsets[0] > offsets[1]
+        ):
+            raise _corrupt(path, f"{where} has data_offsets {offsets!r}, not [begin, end] with begin <= end")
+        expected = _ITEMSIZE[dtype]
+        for d in shape:
+            expected *= d
+        if offsets[1] - offsets[0] != expected:
+            raise _corrupt(
+                path,
+                f"{where} ({dtype}, shape {shape}) takes {expected} bytes, but its data_offsets {offsets} span "
+                f"{offsets[1] - offsets[0]} (its dtype or shape was changed?)",
+            )
+        spans.append((offsets[0], offsets[1], key))
+    end = 0
+    for begin, stop, key in sorted(spans):
+        if begin != end:
+            what = "overlaps the tensor before it" if begin < end else f"leaves a gap of {begin - end} bytes before it"
+            raise _corrupt(path, f"tensor {key} (data_offsets [{begin}, {stop}]) {what}")
+        end = stop
+    if 8 + length + end != size:
+        cut = "cut short?" if 8 + length + end > size else "bytes after the last tensor"
+        raise _corrupt(path, f"its header ends the tensors at byte {8 + length + end}, but the file has {size} ({cut})")
+    return header
 
 
 class CheckpointReader:
@@ -227,8 +315,7 @@ class SafetensorsCheckpoint(CheckpointReader):
         self.directory = Path(directory)
         index = self.directory / SAFE_WEIGHTS_INDEX_NAME
         if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            self.files = {key: self.directory / name for key, name in weight_map.items()}
+            self.files = _weight_map(index)
         elif (self.directory / SAFE_WEIGHTS_NAME).is_file():
             single = self.directory / SAFE_WEIGHTS_NAME
             self.files = {key: single for key in _read_header(single) if key != "__metadata__"}
@@ -249,21 +336,27 @@ class SafetensorsCheckpoint(CheckpointReader):
                     self.shapes[key] = (info["dtype"], info["shape"])
         missing = sorted(set(self.files) - set(self.shapes))
         if missing:
-            raise ValueError(f"{index.name} names tensors that are not in their shard: {missing[:5]}")
+            raise ValueError(f"{index} names tensors that are not in their shard: {missing[:5]}")
         self.bytes_read = 0
 
     def read(self, keys: Iterable[str]) -> dict[str, torch.Tensor]:
-        """The tensors ``keys`` as stored (CPU, the stored dtype)."""
-        from safetensors import safe_open
+        """The tensors ``keys`` as stored (CPU, the stored dtype).
+
+        Raises:
+            ValueError: safetensors cannot read a file (e.g. changed since it was opened), naming it."""
+        from safetensors import SafetensorError, safe_open
 
         by_file: dict[Path, list[str]] = {}
         for key in keys:
             by_file.setdefault(self.files[key], []).append(key)
         out = {}
         for path, names in by_file.items():
-            with safe_open(str(path), framework="pt") as f:
-                for key in names:
-                    out[key] = f.get_tensor(key)
+            try:
+                with safe_open(str(path), framework="pt") as f:
+                    for key in names:
+                        out[key] = f.get_tensor(key)
+            except (SafetensorError, RuntimeError) as err:
+                raise ValueError(f"{path}: cannot read tensor(s) {names[:3]} ({' '.join(str(err).split())})") from err
         return self._count(out)
 
     def load_config(self) -> Any:
@@ -285,6 +378,40 @@ class SafetensorsCheckpoint(CheckpointReader):
                 shutil.copy2(path, out_dir / path.name)
                 files.append(path.name)
         return files
+
+
+def _weight_map(index: Path) -> dict[str, Path]:
+    """Tensor name -> shard path of a safetensors index, checked: it parses, and names shards inside its directory.
+
+    Raises:
+        ValueError: naming the index and what is wrong."""
+    try:
+        weight_map = json.loads(index.read_bytes()).get("weight_map")
+    except (ValueError, AttributeError) as err:  # JSONDecodeError, UnicodeDecodeError; not a JSON object
+        raise ValueError(
+            f"{index} is not a valid safetensors index ({err}); re-download or re-save the model"
+        ) from None
+    if not isinstance(weight_map, dict):
+        raise ValueError(f"{index} has no weight_map object; re-download or re-save the model")
+    files = {}
+    for key, name in weight_map.items():
+        if not isinstance(name, str) or Path(name).name != name or name in ("", ".", ".."):
+            raise ValueError(f"{index} maps tensor {key} to {name!r}, not a file name in {index.parent}")
+        files[key] = index.parent / name
+    return files
+
+
+def check_stored_dtype(reader: CheckpointReader, key: str, target: torch.Tensor, name: str | None = None) -> None:
+    """Raise ``ValueError`` naming the file and the tensor if ``reader``'s tensor ``key`` is stored in a dtype that
+    cannot hold the model's tensor ``target`` (``name`` in the model): a floating-point one in an integer or bool
+    dtype (``from_pretrained`` would cast the integers into garbage weights; an altered header)."""
+    code = reader.shapes[key][0]
+    if target.is_floating_point() and code not in _FLOAT_CODES:
+        raise ValueError(
+            f"{reader.files[key]}: tensor {key} is stored as {code}, but the model's {name or key} is "
+            f"{str(target.dtype).removeprefix('torch.')} and needs a floating-point dtype "
+            f"({', '.join(sorted(_FLOAT_CODES))}); the file's header was changed or it is not this model's checkpoint"
+        )
 
 
 class GGUFCheckpoint(CheckpointReader):
@@ -334,8 +461,21 @@ class GGUFCheckpoint(CheckpointReader):
         if not self.path.is_file():
             raise FileNotFoundError(f"GGUF file {self.path} does not exist")
         self.directory = self.path.parent
-        reader = GGUFReader(self.path)
-        architecture = read_field(reader, "general.architecture")[0]
+        try:
+            reader = GGUFReader(self.path)
+            architecture = read_field(reader, "general.architecture")[0]
+        except Exception as err:  # gguf's reader raises ValueError, IndexError, KeyError, ... on a damaged file
+            raise ValueError(
+                f"{self.path} is not a valid GGUF file ({type(err).__name__}: {' '.join(str(err).split())[:200]}); "
+                "re-download the model"
+            ) from err
+        size = self.path.stat().st_size
+        for t in reader.tensors:
+            if t.data_offset + t.data.nbytes > size:
+                raise ValueError(
+                    f"{self.path} is not a valid GGUF file: tensor {t.name} ends at byte "
+                    f"{t.data_offset + t.data.nbytes}, beyond the file's {size} (cut short?); re-download the model"
+                )
         # name -> (ggml type, offset in the file, dtype and shape of the stored array as GGUFReader views it)
         self._stored = {t.name: (t.tensor_type, t.data_offset, t.data.dtype, t.data.shape) for t in reader.tensors}
         self._position = {name: index for index, name in enumerate(self._stored)}
@@ -864,7 +1004,10 @@ def _key_map(model: nn.Module, source: CheckpointReader) -> dict[str, str]:
             )
         shape = source.shapes[key][1]
         if list(tensor.shape) != list(shape):
-            raise ValueError(f"{key}: the checkpoint holds shape {shape}, the config makes {list(tensor.shape)}")
+            raise ValueError(
+                f"{source.files[key]}: tensor {key} has shape {shape}, but the config makes {list(tensor.shape)}"
+            )
+        check_stored_dtype(source, key, tensor, name)
         mapping[name] = key
     unused = sorted(set(source.shapes) - set(mapping.values()))
     if unused:

@@ -16,11 +16,20 @@ def test_llm_like_layer_is_a_positive_definite_gram(benchmark_script):
     assert float(torch.linalg.eigvalsh(gram.double()).min()) > 0  # 160 tokens, 40 features: full rank
 
 
-def test_capped_calls_run_exactly_the_cap(benchmark_script):
+def test_capped_calls_run_exactly_the_cap(benchmark_script, monkeypatch):
     bench = benchmark_script("alps_scale")
+
+    class Probe:  # a resident set of 1.5 GB before the call and a peak of 4 GB during it
+        start = 1_500_000_000
+
+        def peak(self) -> int:
+            return 4_000_000_000
+
+    monkeypatch.setattr(bench, "MemoryProbe", Probe)
     weight, gram = bench.llm_like_layer(12, 48)
     seconds, iters, peak = bench.measured_call(weight, gram, 0.6, 6)
-    assert iters == 6 and seconds > 0 and peak >= 0
+    assert iters == 6 and seconds > 0
+    assert peak == pytest.approx(2.5)  # GB (1e9 bytes) above the resident set before the call
 
 
 def test_main_prints_measured_and_extrapolated_rows(benchmark_script, monkeypatch, capsys):

@@ -21,11 +21,19 @@ def test_random_layer_has_the_patterns_mask_in_the_asked_dtype(benchmark_script)
     assert (keep24.view(3, 10, 4).sum(dim=2) == 2).all()
 
 
-def test_timed_warms_up_once_then_averages(benchmark_script):
+def test_timed_warms_up_once_then_averages(benchmark_script, monkeypatch):
+    from types import SimpleNamespace
+
     common = benchmark_script("common")
-    calls = []
-    seconds = common.timed(lambda: calls.append(1), repeat=4)
-    assert len(calls) == 5 and seconds >= 0
+    clock, calls = [0.0], []
+
+    def call():  # the k-th call takes k seconds on a fake clock
+        calls.append(1)
+        clock[0] += len(calls)
+
+    monkeypatch.setattr(common, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    seconds = common.timed(call, repeat=4)
+    assert len(calls) == 5 and seconds == (2 + 3 + 4 + 5) / 4  # the warm-up call (1 s) is not timed
 
 
 def test_the_shared_bound_and_the_lazy_build_match_the_state(benchmark_script):

@@ -8,11 +8,14 @@ import math
 import pytest
 import torch
 
-from sparseswaps_prune.core.spec import DEFAULT_SPEC, SPARSESWAPS_SPEC, build_spec
-from sparseswaps_prune.llm.block_tune import BLOCK_TUNE_EPOCHS
+from sparseswaps_prune.core.spec import build_spec
 from sparseswaps_prune.llm.experiment import Experiment
 from sparseswaps_prune.llm.models import TINY_VOCAB_SIZE, tiny_model
 from sparseswaps_prune.llm.pipeline import PruneOptions
+from sparseswaps_prune.recipes import BLOCK_TUNE_EPOCHS, RECIPES
+
+REFIT = RECIPES["sparseswaps-refit"].spec  # the settings' base: Wanda -> SparseSwaps T=10 -> least-squares re-fit
+BEST = RECIPES["best"].spec  # the CLI's default recipe's layer spec: ALPS's mask and weights
 
 
 @pytest.fixture(scope="module")
@@ -52,23 +55,25 @@ def test_settings_are_build_spec_options(compare, common):
         "guard": False,
         "max_iters": 5,
     }
-    assert compare.parse_setting("") == {}  # SPARSESWAPS_SPEC without block tuning
-    assert compare.parse_setting("default") == {"recipe": "default", "tune": BLOCK_TUNE_EPOCHS}  # PruneOptions()
+    assert compare.parse_setting("") == {}  # the sparseswaps-refit spec without block tuning
+    assert compare.parse_setting("default") == {"recipe": "best", "tune": BLOCK_TUNE_EPOCHS}  # PruneOptions()
+    with pytest.warns(DeprecationWarning, match="renamed 'best'"):
+        assert compare.parse_setting("recipe=default") == {"recipe": "best"}  # the previous release's name
     assert compare.parse_setting("recipe=alps") == {"recipe": "alps"}
     assert compare.parse_setting("refine=dsnot,dsnot_skip=none") == {"refine": "dsnot", "dsnot_skip": None}
     for bad in ("warmstart=wanda", "sparsity=0.5", "guard=maybe", "refine", "recipe=magic"):
         with pytest.raises(SystemExit):
             compare.parse_setting(bad)
-    # on top of SPARSESWAPS_SPEC at the pattern, T from --max-iters unless given; scope=layer dropped at N:M
-    assert common.setting_spec({}, "60%", SPARSESWAPS_SPEC.refine.max_iters) == SPARSESWAPS_SPEC
+    # on top of the sparseswaps-refit spec at the pattern, T from --max-iters unless given; scope=layer dropped at N:M
+    assert common.setting_spec({}, "60%", REFIT.refine.max_iters) == REFIT
     # or on top of a named recipe, its T kept; N:M selects per row
-    assert common.setting_spec({"recipe": "default"}, "60%", 5) == DEFAULT_SPEC
-    assert common.setting_spec({"recipe": "default"}, "2:4", 5) == build_spec(nm=(2, 4))
+    assert common.setting_spec({"recipe": "best"}, "60%", 5) == BEST
+    assert common.setting_spec({"recipe": "best"}, "2:4", 5) == build_spec(BEST, nm=(2, 4))
     assert common.setting_spec({"recipe": "alps-swaps"}, "60%", 5).refine.max_iters == 25
-    assert common.setting_spec({}, "70%", 5) == build_spec(SPARSESWAPS_SPEC, sparsity=0.7, max_iters=5)
+    assert common.setting_spec({}, "70%", 5) == build_spec(REFIT, sparsity=0.7, max_iters=5)
     published = {"start": "admm", "scope": "layer", "refine": "none", "weights": "start"}
     assert common.setting_spec(published, "2:4", 25) == build_spec(
-        SPARSESWAPS_SPEC, nm=(2, 4), start="admm", refine="none", weights="start"
+        REFIT, nm=(2, 4), start="admm", refine="none", weights="start"
     )
     assert common.setting_spec({"refine": "dsnot", "dsnot_skip": None}, "60%", 25).refine.skip is None
     with pytest.raises(ValueError, match="dsnot_skip"):
@@ -101,10 +106,10 @@ def test_owl_settings_are_pipeline_options(compare, common, tmp_path, capsys):
     setting = compare.parse_setting("profile=owl,owl_lambda=0.05,refine=none,weights=keep")
     assert setting == {"profile": "owl", "owl_lambda": 0.05, "refine": "none", "weights": "keep"}
     options = common.setting_options(setting, "70%", 25)
-    spec = build_spec(SPARSESWAPS_SPEC, sparsity=0.7, refine="none", weights="keep")
+    spec = build_spec(REFIT, sparsity=0.7, refine="none", weights="keep")
     assert options == PruneOptions(spec=spec, sparsity_profile="owl", owl_lambda=0.05, block_tune_epochs=0)
     assert common.options_label(options) == "wanda -> none -> keep, owl M=5 lambda=0.05"
-    assert common.setting_options({}, "60%", 10) == PruneOptions(spec=SPARSESWAPS_SPEC, block_tune_epochs=0)
+    assert common.setting_options({}, "60%", 10) == PruneOptions(spec=REFIT, block_tune_epochs=0)
     with pytest.raises(ValueError, match="nm=\\(2, 4\\)"):
         common.setting_options(setting, "2:4", 25)
     with pytest.raises(ValueError, match="owl_lambda, profile set the pipeline's block budgets"):
@@ -183,14 +188,14 @@ def test_block_tuning_settings_are_pipeline_options(compare, common):
     default = common.setting_options(compare.parse_setting("default"), "60%", 10)
     assert default == PruneOptions()
     assert common.options_label(default) == "alps/layer -> none -> start weights -> block tune 3"
-    swaps = common.setting_options(compare.parse_setting("recipe=sparseswaps,tune=3"), "60%", 25)
+    swaps = common.setting_options(compare.parse_setting("recipe=sparseswaps-refit,tune=3"), "60%", 25)
     assert common.options_label(swaps) == "wanda -> sparseswaps T=10 -> ls -> block tune 3"  # the recipe's T
     tuned = common.setting_options(compare.parse_setting("refine=none,tune=5,tune_lr=0.003"), "60%", 25)
     assert (tuned.block_tune_epochs, tuned.block_tune_lr) == (5, 0.003)
     assert common.options_label(tuned) == "wanda -> none -> ls -> block tune 5 lr 0.003"
     # rows written before block tuning existed were not tuned: they are read as block_tune_epochs=0
-    old = PruneOptions(spec=SPARSESWAPS_SPEC, block_tune_epochs=0).to_dict()
+    old = PruneOptions(spec=REFIT, block_tune_epochs=0).to_dict()
     del old["block_tune_epochs"], old["block_tune_lr"]
-    assert PruneOptions.from_dict(old) == common.setting_options({}, "60%", SPARSESWAPS_SPEC.refine.max_iters)
+    assert PruneOptions.from_dict(old) == common.setting_options({}, "60%", REFIT.refine.max_iters)
     with pytest.raises(ValueError, match="tune set the pipeline's"):
         common.setting_spec({"tune": 5}, "60%", 25)

@@ -7,7 +7,7 @@ import torch
 
 from sparseswaps_prune.core.gram import GramAccumulator
 from sparseswaps_prune.core.layer import prune_layer
-from sparseswaps_prune.core.spec import DEFAULT_SPEC
+from sparseswaps_prune.recipes import RECIPES
 
 
 @pytest.fixture(scope="module")
@@ -46,8 +46,10 @@ def test_rows_score_prune_layer_and_resume(layer_specs, tmp_path, capsys):
         "wanda -> none -> keep",
     ]
     weights, grams = tiny_grams([1], 3, 3, 2, 8)
-    for name, weight in weights.items():  # the default row is prune_layer's loss of the final weights, per token
-        out = prune_layer(weight, grams[name]["small"].gram, DEFAULT_SPEC, holdout_gram=grams[name]["holdout"].gram)
+    # the default row (recipe best) is prune_layer's loss of the final weights, per token
+    for name, weight in weights.items():
+        small, holdout = grams[name]["small"].gram, grams[name]["holdout"].gram
+        out = prune_layer(weight, small, RECIPES["best"].spec, holdout_gram=holdout)
         assert rows[0]["layers"][name]["calib"] == pytest.approx(float(out.loss.final.sum()) / 24)
         assert rows[0]["layers"][name]["holdout"] == pytest.approx(float(out.holdout.final.sum()) / 16)
     # compensation lowers the calibration loss below Wanda's mask alone

@@ -47,12 +47,12 @@ def test_extrapolates_from_the_blocks_run(bench, capsys):
 
 def test_a_recipe_that_does_not_swap_runs_once(bench, tmp_path, capsys):
     out = tmp_path / "rows.json"
-    args = ["--model", "tiny", "--recipe", "default", "--nsamples", "2", "--seqlen", "16", "--device", "cpu"]
+    args = ["--model", "tiny", "--recipe", "best", "--nsamples", "2", "--seqlen", "16", "--device", "cpu"]
     (row,) = bench.main([*args, "--block-tune-epochs", "1", "--json", str(out)])  # --iters' 5 values ignored
-    assert "--recipe default: 60% per layer: alps -> none -> start" in capsys.readouterr().out
+    assert "--recipe best: 60% per layer: alps -> none -> start" in capsys.readouterr().out
     assert row["iters"] == 0 and row["n_swaps"] == 0 and row["loss_refined"] == row["loss_start"]
     assert json.loads(out.read_text())["setup"]["spec"]["start"]["kind"] == "alps"
-    (swaps,) = bench.main(["--model", "tiny", "--recipe", "sparseswaps", "--iters", "2", *args[4:]])
+    (swaps,) = bench.main(["--model", "tiny", "--recipe", "sparseswaps-refit", "--iters", "2", *args[4:]])
     assert swaps["iters"] == 2 and swaps["loss_refined"] <= swaps["loss_start"]
 
 

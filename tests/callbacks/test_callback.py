@@ -14,12 +14,14 @@ from torch.nn import functional as F
 from torch.nn.utils import prune
 from torch.utils.data import DataLoader, TensorDataset
 
-from sparseswaps_prune import SPARSESWAPS_SPEC
+from sparseswaps_prune import RECIPES
 from sparseswaps_prune.callbacks import SparseSwapsPruning, all_reduce_grams, restore_masks
 from sparseswaps_prune.core.gram import GramAccumulator
 from sparseswaps_prune.core.layer import prune_layer
 from sparseswaps_prune.core.refit import refit_weights
 from sparseswaps_prune.prune import SparseSwapsMethod
+
+REFIT = RECIPES["sparseswaps-refit"].spec  # Wanda -> SparseSwaps T=10 -> least-squares re-fit
 
 
 class MLP(pl.LightningModule):
@@ -110,7 +112,7 @@ def only_prune_hooks(module: nn.Module) -> bool:
 def test_prunes_at_fit_start_and_zeros_stay_zero(tmp_path):
     model, cb, snap = (
         MLP(),
-        SparseSwapsPruning(spec=SPARSESWAPS_SPEC, sparsity=0.5, max_iters=20, calibration_batches=2),
+        SparseSwapsPruning(spec=REFIT, sparsity=0.5, max_iters=20, calibration_batches=2),
         Snapshot(),
     )
     make_trainer(tmp_path, cb, snap).fit(model)
@@ -136,9 +138,9 @@ def test_prunes_at_fit_start_and_zeros_stay_zero(tmp_path):
 @pytest.mark.parametrize("objective", ["mask", "refit"])
 def test_refit_writes_least_squares_weights_into_weight_orig(tmp_path, objective):
     cb = SparseSwapsPruning(
-        spec=SPARSESWAPS_SPEC, sparsity=0.5, max_iters=5, calibration_batches=2, weights="ls", objective=objective
+        spec=REFIT, sparsity=0.5, max_iters=5, calibration_batches=2, weights="ls", objective=objective
     )
-    plain = SparseSwapsPruning(spec=SPARSESWAPS_SPEC, sparsity=0.5, max_iters=5, calibration_batches=2, weights="keep")
+    plain = SparseSwapsPruning(spec=REFIT, sparsity=0.5, max_iters=5, calibration_batches=2, weights="keep")
     model, snap = MLP(), Snapshot()
     dense = model.net[0].weight.detach().clone()
     make_trainer(tmp_path, cb, snap, max_epochs=1).fit(model)
@@ -155,7 +157,7 @@ def test_refit_writes_least_squares_weights_into_weight_orig(tmp_path, objective
 
 
 def test_validate_and_test_before_and_after_pruning(tmp_path):
-    model, cb = MLP(), SparseSwapsPruning(spec=SPARSESWAPS_SPEC, sparsity=0.5, max_iters=5, calibration_batches=1)
+    model, cb = MLP(), SparseSwapsPruning(spec=REFIT, sparsity=0.5, max_iters=5, calibration_batches=1)
     trainer = make_trainer(tmp_path, cb, max_epochs=1)
     dense = trainer.validate(model, verbose=False)[0]["val_loss"]
     assert not hasattr(model.net[0], "weight_mask")  # validate does not prune
@@ -168,7 +170,7 @@ def test_validate_and_test_before_and_after_pruning(tmp_path):
 
 
 def test_checkpoint_round_trip_does_not_prune_again(tmp_path):
-    model, cb = MLP(), SparseSwapsPruning(spec=SPARSESWAPS_SPEC, sparsity=0.6, max_iters=10, calibration_batches=2)
+    model, cb = MLP(), SparseSwapsPruning(spec=REFIT, sparsity=0.6, max_iters=10, calibration_batches=2)
     trainer = make_trainer(tmp_path, cb, max_epochs=1)
     trainer.fit(model)
     path = tmp_path / "pruned.ckpt"
@@ -177,7 +179,7 @@ def test_checkpoint_round_trip_does_not_prune_again(tmp_path):
 
     resumed, cb2 = (
         MLP(seed=5),
-        SparseSwapsPruning(spec=SPARSESWAPS_SPEC, sparsity=0.6, max_iters=10, calibration_batches=2),
+        SparseSwapsPruning(spec=REFIT, sparsity=0.6, max_iters=10, calibration_batches=2),
     )
     make_trainer(tmp_path, cb2, max_epochs=2).fit(resumed, ckpt_path=path)  # SGD momentum state restores too
     assert cb2.pruned and cb2.stats == {}  # restored, not pruned again
@@ -196,7 +198,7 @@ def test_checkpoint_round_trip_does_not_prune_again(tmp_path):
 def test_nm_and_logging(tmp_path):
     model, cb = (
         MLP(),
-        SparseSwapsPruning(spec=SPARSESWAPS_SPEC, nm=(2, 4), max_iters=10, calibration_batches=1, exclude=["net.2"]),
+        SparseSwapsPruning(spec=REFIT, nm=(2, 4), max_iters=10, calibration_batches=1, exclude=["net.2"]),
     )
     make_trainer(tmp_path, cb, max_epochs=1, logger=CSVLogger(tmp_path)).fit(model)
     assert set(cb.stats) == {"net.0"} and not hasattr(model.net[2], "weight_mask")
@@ -210,7 +212,7 @@ def test_sequential_mode_epoch_trigger_and_make_permanent(tmp_path):
     loader = DataLoader(TensorDataset(torch.randn(32, 16)), batch_size=8)
     model, snap = MLP(), Snapshot()
     cb = SparseSwapsPruning(
-        spec=SPARSESWAPS_SPEC,
+        spec=REFIT,
         sparsity=0.25,
         mode="sequential",
         when=1,
@@ -240,8 +242,10 @@ def test_sequential_mode_epoch_trigger_and_make_permanent(tmp_path):
         ({"sparsity": 0.5, "start": "obs"}, ValueError),
         ({"sparsity": 0.5, "spec": {"budget": None}}, TypeError),
         ({"sparsity": 0.5, "calibration_batches": 0}, ValueError),
-        ({"sparsity": 0.5, "spec": SPARSESWAPS_SPEC, "max_iters": 1.5}, TypeError),
-        ({"sparsity": 0.5, "max_iters": 10}, ValueError),  # a SparseSwaps option on the default (ALPS's solution)
+        ({"sparsity": 0.5, "spec": REFIT, "max_iters": 1.5}, TypeError),
+        ({"sparsity": 0.5, "recipe": "best", "max_iters": 10}, ValueError),  # a SparseSwaps option on ALPS's solution
+        ({"sparsity": 0.5, "recipe": "best", "spec": REFIT}, ValueError),  # a recipe or a spec, not both
+        ({"sparsity": 0.5, "recipe": "bestest"}, ValueError),
         ({"sparsity": 0.5, "when": "epoch_end"}, ValueError),
         ({"sparsity": 0.5, "when": -1}, ValueError),
         ({"sparsity": 0.5, "include": "*mlp*"}, TypeError),
@@ -290,7 +294,7 @@ class TinyLM(pl.LightningModule):
 def test_hugging_face_model_mlp_only(tmp_path):
     lm, cb = (
         TinyLM(),
-        SparseSwapsPruning(spec=SPARSESWAPS_SPEC, sparsity=0.5, include=["*mlp*"], max_iters=10, calibration_batches=2),
+        SparseSwapsPruning(spec=REFIT, sparsity=0.5, include=["*mlp*"], max_iters=10, calibration_batches=2),
     )
     make_trainer(tmp_path, cb, max_epochs=1, max_steps=2).fit(lm)
     assert len(cb.stats) == 6 and all(".mlp." in name for name in cb.stats)
@@ -316,7 +320,7 @@ def _ddp_worker(rank: int, world_size: int, tmp: str) -> None:
             accs["unused"].add(torch.ones(2, 12))
         all_reduce_grams(accs)
         method = SparseSwapsMethod(
-            0.5, grams=[accs["layer"].gram], shapes=[(6, 12)], max_iters=20, weights="keep", spec=SPARSESWAPS_SPEC
+            0.5, grams=[accs["layer"].gram], shapes=[(6, 12)], max_iters=20, weights="keep", spec=REFIT
         )
         existing = torch.ones(6, 12, dtype=torch.bool)
         mask = method.layer_outcome(layer.weight.detach(), existing, accs["layer"].gram).keep_mask
@@ -359,7 +363,7 @@ class TinyGPT2(TinyLM):
 def test_gpt2_conv1d_refit_lands_in_the_parameter_layout(tmp_path):
     lm = TinyGPT2()
     cb = SparseSwapsPruning(
-        spec=SPARSESWAPS_SPEC,
+        spec=REFIT,
         sparsity=0.5,
         include=["*.h.0.mlp.c_fc"],
         max_iters=3,
@@ -377,9 +381,7 @@ def test_gpt2_conv1d_refit_lands_in_the_parameter_layout(tmp_path):
 def test_gpt2_conv1d_layers_and_restore_masks(tmp_path):
     lm, cb = (
         TinyGPT2(),
-        SparseSwapsPruning(
-            spec=SPARSESWAPS_SPEC, sparsity=0.25, include=["*.mlp.c_fc"], max_iters=5, calibration_batches=1
-        ),
+        SparseSwapsPruning(spec=REFIT, sparsity=0.25, include=["*.mlp.c_fc"], max_iters=5, calibration_batches=1),
     )
     make_trainer(tmp_path, cb, max_epochs=1, max_steps=1).fit(lm)
     c_fc = lm.model.transformer.h[0].mlp.c_fc  # Conv1D, weight [d_in, d_out]
@@ -433,7 +435,7 @@ def assert_same_state(module: nn.Module, before: list[tuple[str, int, torch.Tens
 def test_a_failing_later_layer_leaves_every_layer_as_before(tmp_path, caplog, mode, model_kwargs, match):
     model = DeepMLP(**model_kwargs)
     before = dense_state(model)
-    cb = SparseSwapsPruning(spec=SPARSESWAPS_SPEC, nm=(2, 4), mode=mode, max_iters=3, calibration_batches=2)
+    cb = SparseSwapsPruning(spec=REFIT, nm=(2, 4), mode=mode, max_iters=3, calibration_batches=2)
     with pytest.raises(ValueError, match=match):
         make_trainer(tmp_path, cb, max_epochs=1).fit(model)
     assert not cb.pruned and cb.stats == {}
@@ -449,13 +451,13 @@ def test_a_failed_sequential_call_restores_the_masks_of_layers_pruned_before(tmp
     model = DeepMLP()
     loader = model._loader()
     trainer = make_trainer(tmp_path)
-    first = SparseSwapsPruning(spec=SPARSESWAPS_SPEC, sparsity=0.5, include=["net.0"], max_iters=3,
+    first = SparseSwapsPruning(spec=REFIT, sparsity=0.5, include=["net.0"], max_iters=3,
                                calibration_batches=2, calibration_dataloader=loader)  # fmt: skip
     first.prune(trainer, model)
     mask, orig = model.net[0].weight_mask.clone(), model.net[0].weight_orig.detach().clone()
     before = dense_state(model)
     model.net[3].factor = float("inf")
-    second = SparseSwapsPruning(spec=SPARSESWAPS_SPEC, sparsity=0.75, mode="sequential", max_iters=3,
+    second = SparseSwapsPruning(spec=REFIT, sparsity=0.75, mode="sequential", max_iters=3,
                                 calibration_batches=2, calibration_dataloader=loader, weights="ls")  # fmt: skip
     with pytest.raises(ValueError, match=r"net\.4.*NaN or Inf"):
         second.prune(trainer, model)
@@ -468,7 +470,7 @@ def test_a_failed_sequential_call_restores_the_masks_of_layers_pruned_before(tmp
 def test_dsnot_refine_gets_the_input_means_from_calibration(tmp_path):
     model = MLP()
     dense = model.net[0].weight.detach().clone()
-    cb = SparseSwapsPruning(spec=SPARSESWAPS_SPEC, sparsity=0.5, refine="dsnot", calibration_batches=2)
+    cb = SparseSwapsPruning(spec=REFIT, sparsity=0.5, refine="dsnot", calibration_batches=2)
     make_trainer(tmp_path, cb, max_epochs=1).fit(model)
     acc = GramAccumulator(16, track_sum=True)
     acc.add(model.x[:32])  # the 2 calibration batches; 2-D inputs, so per-token means

@@ -20,10 +20,12 @@ from torch.nn import functional as F
 from torch.nn.utils import prune
 from torch.utils.data import DataLoader, TensorDataset
 
-from sparseswaps_prune import SPARSESWAPS_SPEC
+from sparseswaps_prune import RECIPES
 from sparseswaps_prune.callbacks import SparseSwapsPruning
 
 N_SAMPLES, BATCH = 64, 8
+
+REFIT = RECIPES["sparseswaps-refit"].spec  # Wanda -> SparseSwaps T=10 -> least-squares re-fit
 
 
 class Regressor(pl.LightningModule):
@@ -84,7 +86,7 @@ class DumpPerRank(pl.Callback):
 
 def test_ddp_spawn_two_processes_give_identical_masks(tmp_path):
     model = Regressor()
-    cb = SparseSwapsPruning(spec=SPARSESWAPS_SPEC, sparsity=0.5, max_iters=20, calibration_batches=2)
+    cb = SparseSwapsPruning(spec=REFIT, sparsity=0.5, max_iters=20, calibration_batches=2)
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=2,
@@ -151,7 +153,7 @@ def _trainer(tmp_path: Path, *callbacks, **kwargs) -> pl.Trainer:
 
 def test_masks_applied_after_the_dense_epoch_and_zeros_kept(tmp_path):
     model, probe = Regressor(), EpochProbe()
-    cb = SparseSwapsPruning(spec=SPARSESWAPS_SPEC, sparsity=0.5, when=1, max_iters=10, calibration_batches=3)
+    cb = SparseSwapsPruning(spec=REFIT, sparsity=0.5, when=1, max_iters=10, calibration_batches=3)
     _trainer(tmp_path, cb, probe, max_epochs=3, enable_checkpointing=False).fit(model)
     per_epoch = N_SAMPLES // BATCH
     assert probe.pruned == [(e, e >= 1) for e in range(3) for _ in range(per_epoch)]
@@ -169,7 +171,7 @@ def test_model_checkpoint_before_and_after_pruning_resumes_correctly(tmp_path):
     ckpt_dir = tmp_path / "ckpts"
     saver = ModelCheckpoint(dirpath=ckpt_dir, filename="{epoch}", save_top_k=-1, every_n_epochs=1)
     model = Regressor()
-    cb = SparseSwapsPruning(spec=SPARSESWAPS_SPEC, sparsity=0.5, when=1, max_iters=10, calibration_batches=2)
+    cb = SparseSwapsPruning(spec=REFIT, sparsity=0.5, when=1, max_iters=10, calibration_batches=2)
     _trainer(tmp_path, cb, saver, max_epochs=2).fit(model)
     masks = {n: model.get_submodule(n).weight_mask.clone() for n in ("net.0", "net.2")}
     dense, pruned = ckpt_dir / "epoch=0.ckpt", ckpt_dir / "epoch=1.ckpt"
@@ -179,7 +181,7 @@ def test_model_checkpoint_before_and_after_pruning_resumes_correctly(tmp_path):
     # resuming from the pruned checkpoint restores the masks and does not prune again
     resumed, cb2 = (
         Regressor(seed=7),
-        SparseSwapsPruning(spec=SPARSESWAPS_SPEC, sparsity=0.5, when=1, max_iters=10, calibration_batches=2),
+        SparseSwapsPruning(spec=REFIT, sparsity=0.5, when=1, max_iters=10, calibration_batches=2),
     )
     _trainer(tmp_path, cb2, max_epochs=3, enable_checkpointing=False).fit(resumed, ckpt_path=pruned)
     assert cb2.pruned and cb2.stats == {} and resumed.calibration_inputs == []
@@ -190,7 +192,7 @@ def test_model_checkpoint_before_and_after_pruning_resumes_correctly(tmp_path):
     # resuming from the dense checkpoint prunes at the start of epoch 1, from the weights trained in epoch 0
     again, cb3 = (
         Regressor(seed=7),
-        SparseSwapsPruning(spec=SPARSESWAPS_SPEC, sparsity=0.5, when=1, max_iters=10, calibration_batches=2),
+        SparseSwapsPruning(spec=REFIT, sparsity=0.5, when=1, max_iters=10, calibration_batches=2),
     )
     _trainer(tmp_path, cb3, max_epochs=2, enable_checkpointing=False).fit(again, ckpt_path=dense)
     assert cb3.pruned and set(cb3.stats) == {"net.0", "net.2"}

@@ -16,6 +16,9 @@ from sparseswaps_prune.core.refit import refit_weights
 from sparseswaps_prune.core.sparsegpt import sparsegpt_prune
 from sparseswaps_prune.core.spec import SPARSESWAPS_SPEC, build_spec
 from sparseswaps_prune.core.warmstart import warmstart_mask
+from sparseswaps_prune.recipes import RECIPES
+
+REFIT = RECIPES["sparseswaps-refit"].spec  # Wanda -> SparseSwaps T=10 -> least-squares re-fit on G + 0.1 diag(G)
 
 
 def problem(d_out=12, d_in=32, tokens=96, seed=0):
@@ -27,9 +30,23 @@ def problem(d_out=12, d_in=32, tokens=96, seed=0):
     return weight, acc, held.T @ held
 
 
-def test_default_spec_is_alps_as_published():
+def test_default_spec_is_sparseswaps_masks_only():
     weight, acc, _ = problem()
     out = prune_layer(torch.nn.Parameter(weight), acc.gram)  # a layer's weight: the outcome carries no graph
+    assert not (out.loss.start.requires_grad or out.loss.final.requires_grad)
+    start = warmstart_mask(weight, "wanda", sparsity=0.6, gram=acc.gram)
+    refined = refine_mask(weight, acc.gram, start, max_iters=25)
+    assert SPARSESWAPS_SPEC.refine.max_iters == 25
+    assert torch.equal(out.start_mask, start) and torch.equal(out.keep_mask, refined.mask)
+    assert out.weight is None and out.updated_rows is None  # masks only: the weights are kept
+    assert int(out.n_swaps.sum()) > 0 and torch.equal(out.n_swaps, refined.n_swaps)
+    assert torch.equal(out.loss.final, out.loss.refined)
+    assert out.loss.refined.sum() < out.loss.start.sum()
+
+
+def test_best_recipe_spec_is_alps_as_published():
+    weight, acc, _ = problem()
+    out = prune_layer(torch.nn.Parameter(weight), acc.gram, RECIPES["best"].spec)
     assert not (out.loss.start.requires_grad or out.loss.final.requires_grad or out.weight.requires_grad)
     want = alps_prune(weight, acc.gram, sparsity=0.6, scope="layer")
     assert torch.equal(out.keep_mask, want.keep_mask) and torch.equal(out.weight, want.weight)
@@ -38,13 +55,13 @@ def test_default_spec_is_alps_as_published():
     assert out.loss.final.sum() < out.loss.start.sum()
 
 
-def test_sparseswaps_spec_is_start_swaps_then_least_squares():
+def test_refit_recipe_spec_is_start_swaps_then_least_squares():
     weight, acc, _ = problem()
-    out = prune_layer(weight, acc.gram, SPARSESWAPS_SPEC)
+    out = prune_layer(weight, acc.gram, REFIT)
     start = warmstart_mask(weight, "wanda", sparsity=0.6, gram=acc.gram)
-    refined = refine_mask(weight, acc.gram, start, max_iters=SPARSESWAPS_SPEC.refine.max_iters)
+    refined = refine_mask(weight, acc.gram, start, max_iters=REFIT.refine.max_iters)
     assert torch.equal(out.start_mask, start) and torch.equal(out.keep_mask, refined.mask)
-    fitted = refit_weights(weight, acc.gram, refined.mask, damp=SPARSESWAPS_SPEC.weights.damp, ridge="diag")
+    fitted = refit_weights(weight, acc.gram, refined.mask, damp=REFIT.weights.damp, ridge="diag")
     assert torch.equal(out.weight, fitted)
     assert torch.equal(out.loss.start, row_losses(weight, acc.gram, start))
     assert torch.equal(out.loss.refined, row_losses(weight, acc.gram, refined.mask))
@@ -56,7 +73,7 @@ def test_sparseswaps_spec_is_start_swaps_then_least_squares():
 
 def test_keep_weights_reports_the_mask_losses():
     weight, acc, held = problem(seed=1)
-    out = prune_layer(weight, acc.gram, build_spec(SPARSESWAPS_SPEC, weights="keep", nm=(2, 4)), holdout_gram=held)
+    out = prune_layer(weight, acc.gram, build_spec(REFIT, weights="keep", nm=(2, 4)), holdout_gram=held)
     assert out.weight is None and out.updated_rows is None
     assert torch.equal(out.loss.final, out.loss.refined) and torch.equal(out.holdout.final, out.holdout.refined)
     assert torch.equal(out.holdout.start, row_losses(weight, held, out.start_mask))
@@ -65,7 +82,7 @@ def test_keep_weights_reports_the_mask_losses():
 
 def test_guard_keeps_an_update_only_where_it_lowers_the_held_out_loss():
     weight, acc, held = problem(tokens=40, seed=2)
-    spec = build_spec(SPARSESWAPS_SPEC, weights="ls", damp=0.0, guard=True)
+    spec = build_spec(REFIT, weights="ls", damp=0.0, guard=True)
     unguarded = prune_layer(weight, acc.gram, build_spec(spec, guard=False), holdout_gram=held)
     out = prune_layer(weight, acc.gram, spec, holdout_gram=held)
     better = weight_losses(weight, unguarded.weight, held) < row_losses(weight, held, out.keep_mask)
@@ -80,14 +97,14 @@ def test_guard_keeps_an_update_only_where_it_lowers_the_held_out_loss():
 
 def test_refit_objective_yields_its_own_weights():
     weight, acc, _ = problem(seed=3)
-    out = prune_layer(weight, acc.gram, build_spec(SPARSESWAPS_SPEC, objective="refit", max_iters=5, ridge="mean"))
+    out = prune_layer(weight, acc.gram, build_spec(REFIT, objective="refit", max_iters=5, ridge="mean"))
     searched = refine_mask(weight, acc.gram, out.start_mask, max_iters=5, objective="refit", damp=1e-3)
     assert torch.equal(out.keep_mask, searched.mask) and torch.equal(out.weight, searched.weight)
 
 
 def test_guard_falls_back_to_the_starts_weights_where_the_mask_is_the_starts():
     weight, acc, held = problem(tokens=40, seed=1)
-    spec = build_spec(SPARSESWAPS_SPEC, start="admm", refine="none", weights="ls", ridge="mean", guard=True)
+    spec = build_spec(REFIT, start="admm", refine="none", weights="ls", ridge="mean", guard=True)
     admm = admm_prune(weight, acc.gram, sparsity=0.6, scope="row")
     unguarded = prune_layer(weight, acc.gram, build_spec(spec, guard=False), holdout_gram=held)
     out = prune_layer(weight, acc.gram, spec, holdout_gram=held)
@@ -111,7 +128,7 @@ def test_guard_falls_back_to_the_starts_weights_where_the_mask_is_the_starts():
 @pytest.mark.parametrize("objective", ["mask", "refit"])
 def test_diag_ridge_weights_and_refit_objective(objective):
     weight, acc, _ = problem(seed=5)
-    out = prune_layer(weight, acc.gram, build_spec(SPARSESWAPS_SPEC, ridge="diag", objective=objective, max_iters=5))
+    out = prune_layer(weight, acc.gram, build_spec(REFIT, ridge="diag", objective=objective, max_iters=5))
     if objective == "refit":  # swaps judged after the diag-ridge re-fit (refine_mask's ridge="diag")
         searched = refine_mask(weight, acc.gram, out.start_mask, max_iters=5, objective="refit", damp=0.1, ridge="diag")
         assert torch.equal(out.keep_mask, searched.mask) and torch.equal(out.weight, searched.weight)
@@ -126,7 +143,7 @@ def test_diag_ridge_weights_and_refit_objective(objective):
 
 def test_sparsegpt_as_published_and_obs_weights():
     weight, acc, _ = problem(seed=4)
-    spec = build_spec(SPARSESWAPS_SPEC, start="sparsegpt", scope="layer", refine="none", weights="obs")
+    spec = build_spec(REFIT, start="sparsegpt", scope="layer", refine="none", weights="obs")
     out = prune_layer(weight, acc.gram, spec)
     published = sparsegpt_prune(weight, acc.gram, sparsity=0.6, scope="layer")
     assert torch.equal(out.keep_mask, published.keep_mask)
@@ -136,7 +153,7 @@ def test_sparsegpt_as_published_and_obs_weights():
 
 def test_dsnot_needs_feature_stats_and_skips_by_name():
     weight, acc, _ = problem(seed=5)
-    spec = build_spec(SPARSESWAPS_SPEC, refine="dsnot", weights="keep")
+    spec = build_spec(REFIT, refine="dsnot", weights="keep")
     with pytest.raises(ValueError, match=r"layer q: .*feature_stats"):
         prune_layer(weight, acc.gram, spec, name="q")
     stats = acc.feature_stats(n_samples=4)
@@ -151,14 +168,14 @@ def test_dsnot_needs_feature_stats_and_skips_by_name():
 def test_prior_mask_prunes_the_remaining_weights():
     weight, acc, _ = problem(seed=6)
     prior = torch.rand(12, 32, generator=torch.Generator().manual_seed(0)) > 0.25
-    out = prune_layer(weight, acc.gram, build_spec(SPARSESWAPS_SPEC, sparsity=0.5), prior_mask=prior)
+    out = prune_layer(weight, acc.gram, build_spec(REFIT, sparsity=0.5), prior_mask=prior)
     assert not (out.keep_mask & ~prior).any()
     kept = prior.sum(1)
     assert torch.equal(out.keep_mask.sum(1), kept - torch.round(0.5 * kept).long())
     with pytest.raises(ValueError, match="already pruned"):
-        prune_layer(weight, acc.gram, build_spec(SPARSESWAPS_SPEC, nm=(2, 4)), prior_mask=prior)
+        prune_layer(weight, acc.gram, build_spec(REFIT, nm=(2, 4)), prior_mask=prior)
     with pytest.raises(ValueError, match=r"alps pruning of an already pruned tensor.*SPARSESWAPS_SPEC"):
-        prune_layer(weight, acc.gram, prior_mask=prior)  # the default's ALPS start
+        prune_layer(weight, acc.gram, RECIPES["best"].spec, prior_mask=prior)  # ALPS's start
 
 
 @pytest.mark.parametrize(
@@ -167,7 +184,7 @@ def test_prior_mask_prunes_the_remaining_weights():
         ({"gram": torch.eye(5)}, ValueError, r"layer fc: gram must have shape"),
         ({"spec": {"sparsity": 0.5}}, TypeError, "PruneSpec"),
         ({"holdout_gram": torch.full((32, 32), float("nan"))}, ValueError, "layer fc: holdout_gram contains NaN"),
-        ({"spec": build_spec(SPARSESWAPS_SPEC, nm=(3, 5))}, ValueError, "does not divide"),
+        ({"spec": build_spec(REFIT, nm=(3, 5))}, ValueError, "does not divide"),
     ],
 )
 def test_bad_input_names_the_layer(kwargs, error, match):
@@ -183,9 +200,7 @@ def test_published_methods_keep_their_own_weights(start):
     """``start=<method>, refine="none", weights="start"`` is the method as published; ``weights=<method>`` is its
     update on another mask."""
     weight, acc, _ = problem(seed=7)
-    out = prune_layer(
-        weight, acc.gram, build_spec(SPARSESWAPS_SPEC, start=start, scope="layer", refine="none", weights="start")
-    )
+    out = prune_layer(weight, acc.gram, build_spec(REFIT, start=start, scope="layer", refine="none", weights="start"))
     if start == "sparsegpt":
         want = sparsegpt_prune(weight, acc.gram, sparsity=0.6, scope="layer")
     else:
@@ -193,7 +208,7 @@ def test_published_methods_keep_their_own_weights(start):
     assert torch.equal(out.keep_mask, want.keep_mask) and torch.equal(out.weight, want.weight)
     assert out.loss.final.sum() < out.loss.refined.sum()
     if start != "sparsegpt":
-        spec = build_spec(SPARSESWAPS_SPEC, weights=start, guard=False)
+        spec = build_spec(REFIT, weights=start, guard=False)
         swapped = prune_layer(weight, acc.gram, spec)
         update = (admm_update if start == "admm" else alps_update)(weight, acc.gram, swapped.keep_mask)
         assert torch.equal(swapped.weight, update)
@@ -202,7 +217,7 @@ def test_published_methods_keep_their_own_weights(start):
 @pytest.mark.parametrize("objective", ["mask", "refit"])
 def test_row_swaps_after_a_layer_wise_start(objective):
     weight, acc, _ = problem(seed=7)
-    spec = build_spec(SPARSESWAPS_SPEC, start="admm", scope="layer", swap_scope="row", objective=objective, max_iters=4)
+    spec = build_spec(REFIT, start="admm", scope="layer", swap_scope="row", objective=objective, max_iters=4)
     out = prune_layer(weight, acc.gram, spec)
     start = admm_prune(weight, acc.gram, sparsity=0.6, scope="layer").keep_mask
     assert torch.equal(out.start_mask, start) and len(set(start.sum(1).tolist())) > 1  # rows keep unequal counts
@@ -223,7 +238,7 @@ def test_row_slices_of_a_separable_spec_assemble_to_the_layer(kwargs):
     # LayerOutcome.cat of row shards (the distributed pipeline's row_shards), at widths where the BLAS rounds each
     # row's products independently of the number of rows (see llm/distributed.py)
     weight, acc, held = problem(d_out=40, tokens=40, seed=3)
-    spec = build_spec(SPARSESWAPS_SPEC, **kwargs)
+    spec = build_spec(REFIT, **kwargs)
     assert spec.row_separable
     stats = {"feature_stats": acc.feature_stats(n_samples=4), "name": "model.layers.0.self_attn.q_proj"}
     whole = prune_layer(weight, acc.gram, spec, holdout_gram=held, **stats)

@@ -4,7 +4,7 @@ from torch import nn
 from torch.nn.utils import prune
 
 from sparseswaps_prune import (
-    SPARSESWAPS_SPEC,
+    RECIPES,
     GramAccumulator,
     SparseSwapsMethod,
     build_spec,
@@ -13,6 +13,8 @@ from sparseswaps_prune import (
     sparseswaps_unstructured,
     warmstart_mask,
 )
+
+REFIT = RECIPES["sparseswaps-refit"].spec  # Wanda -> SparseSwaps T=10 -> least-squares re-fit
 
 
 def model_and_grams(seed: int = 0):
@@ -48,7 +50,7 @@ def test_global_unstructured_prunes_each_layer_row_by_row():
         start="wanda",
         max_iters=20,
         weights="keep",
-        spec=SPARSESWAPS_SPEC,
+        spec=REFIT,
     )
     x = torch.randn(5, 16)
     for layer, mask in zip(model[::2], want, strict=True):
@@ -69,7 +71,7 @@ def test_global_unstructured_with_parameters_on_already_pruned_layers():
     before = model[0].weight_mask.bool().clone()
     params = [(model[0], "weight"), (model[2], "weight")]
     method_kwargs = {"amount": 0.5, "grams": grams, "tensors": params, "max_iters": 10, "weights": "keep",
-                     "spec": SPARSESWAPS_SPEC}  # fmt: skip
+                     "spec": REFIT}  # fmt: skip
     prune.global_unstructured(params, pruning_method=SparseSwapsMethod, **method_kwargs)
     after = model[0].weight_mask.bool()
     assert not (after & ~before).any()  # previously pruned weights stay pruned
@@ -89,9 +91,7 @@ def test_sparseswaps_unstructured_round_trip_and_results():
     model, grams = model_and_grams(2)
     layer = model[0]
     want = expected_mask(layer, grams[0], 0.5, max_iters=30)
-    sparseswaps_unstructured(
-        layer, "weight", amount=0.5, gram=grams[0], max_iters=30, weights="keep", spec=SPARSESWAPS_SPEC
-    )
+    sparseswaps_unstructured(layer, "weight", amount=0.5, gram=grams[0], max_iters=30, weights="keep", spec=REFIT)
     assert torch.equal(layer.weight_mask.bool(), want)
     x = torch.randn(3, 16)
     assert torch.allclose(layer(x), x @ (layer.weight_orig * want).T + layer.bias)
@@ -102,12 +102,10 @@ def test_sparseswaps_unstructured_round_trip_and_results():
 def test_sparseswaps_unstructured_nm_and_repeat_combination():
     model, grams = model_and_grams(3)
     layer = model[0]
-    sparseswaps_unstructured(
-        layer, amount=None, nm=(2, 4), gram=grams[0], start="magnitude", max_iters=10, spec=SPARSESWAPS_SPEC
-    )
+    sparseswaps_unstructured(layer, amount=None, nm=(2, 4), gram=grams[0], start="magnitude", max_iters=10, spec=REFIT)
     assert (layer.weight_mask.reshape(24, 4, 4).sum(-1) == 2).all()
     first = layer.weight_mask.bool().clone()
-    sparseswaps_unstructured(layer, amount=0.5, gram=grams[0], max_iters=10, spec=SPARSESWAPS_SPEC)
+    sparseswaps_unstructured(layer, amount=0.5, gram=grams[0], max_iters=10, spec=REFIT)
     second = layer.weight_mask.bool()
     assert not (second & ~first).any()
     assert (second.sum(1) == 4).all()
@@ -115,9 +113,7 @@ def test_sparseswaps_unstructured_nm_and_repeat_combination():
 
 def test_method_refinement_lowers_loss_and_records_results():
     model, grams = model_and_grams(4)
-    method = SparseSwapsMethod(
-        0.6, grams=[grams[1]], start="magnitude", max_iters=50, weights="keep", spec=SPARSESWAPS_SPEC
-    )
+    method = SparseSwapsMethod(0.6, grams=[grams[1]], start="magnitude", max_iters=50, weights="keep", spec=REFIT)
     mask = method.compute_mask(model[2].weight.detach(), torch.ones_like(model[2].weight))
     assert mask.shape == model[2].weight.shape
     (res,) = method.results
@@ -125,17 +121,16 @@ def test_method_refinement_lowers_loss_and_records_results():
     assert torch.equal(res.loss.final, res.loss.refined) and res.weight is None
 
 
-def test_default_spec_updates_weights_through_apply():
+def test_best_recipe_updates_weights_through_apply():
     """``SparseSwapsMethod.apply`` on a dense module (torch has moved the weight to ``weight_orig`` when it asks
-    for the mask) runs the default spec, ALPS's weights included."""
-    from sparseswaps_prune import DEFAULT_SPEC, prune_layer
-
+    for the mask) runs the recipe's layer spec, ALPS's weights included."""
+    best = RECIPES["best"].spec
     model, grams = model_and_grams(6)
     layer = model[0]
     dense = layer.weight.detach().clone()
-    SparseSwapsMethod.apply(layer, "weight", 0.5, grams=[grams[0]], tensors=[(layer, "weight")])
-    want = prune_layer(dense, grams[0], build_spec(sparsity=0.5))
-    assert DEFAULT_SPEC.updates_weights and want.weight is not None
+    SparseSwapsMethod.apply(layer, "weight", 0.5, grams=[grams[0]], tensors=[(layer, "weight")], recipe="best")
+    want = prune_layer(dense, grams[0], build_spec(best, sparsity=0.5))
+    assert best.updates_weights and want.weight is not None
     assert torch.equal(layer.weight_mask.bool(), want.keep_mask)
     assert torch.equal(layer.weight_orig.detach(), want.weight)
 
@@ -189,13 +184,11 @@ def test_refit_lands_in_weight_orig(route):
             tensors=params,
             max_iters=5,
             weights="ls",
-            spec=SPARSESWAPS_SPEC,
+            spec=REFIT,
         )
     else:
         for (module, _), gram in zip(params, grams, strict=True):
-            sparseswaps_unstructured(
-                module, amount=0.5, gram=gram, max_iters=5, weights="ls", guard=False, spec=SPARSESWAPS_SPEC
-            )
+            sparseswaps_unstructured(module, amount=0.5, gram=gram, max_iters=5, weights="ls", guard=False, spec=REFIT)
     for layer, w, gram in zip(model[::2], dense, grams, strict=True):
         mask = layer.weight_mask.bool()
         assert torch.allclose(layer.weight_orig, refit_weights(w, gram, mask, ridge="diag"), atol=1e-6)
@@ -217,13 +210,13 @@ def test_refit_objective_and_layer_scope_through_the_prune_method():
         objective="refit",
         weights="ls",
         **method_kwargs,
-        spec=SPARSESWAPS_SPEC,
+        spec=REFIT,
     )
     for layer, w in zip(model[::2], dense, strict=True):
         assert int(layer.weight_mask.sum()) == w.numel() // 2  # the layer's count, rows may differ
         assert not torch.equal(layer.weight_orig, w)
     with pytest.raises(ValueError, match="weights must be LeastSquares"):
-        SparseSwapsMethod(0.5, grams=grams, tensors=params, objective="refit", weights="cg", spec=SPARSESWAPS_SPEC)
+        SparseSwapsMethod(0.5, grams=grams, tensors=params, objective="refit", weights="cg", spec=REFIT)
 
 
 def test_dsnot_through_the_prune_method_needs_and_uses_feature_stats():
@@ -232,10 +225,10 @@ def test_dsnot_through_the_prune_method_needs_and_uses_feature_stats():
     acc.add(torch.randn(64, 16, generator=torch.Generator().manual_seed(3)))
     params = [(model[0], "weight")]
     with pytest.raises(ValueError, match="feature_stats"):
-        SparseSwapsMethod(0.5, grams=[acc.gram], tensors=params, refine="dsnot", weights="keep", spec=SPARSESWAPS_SPEC)
+        SparseSwapsMethod(0.5, grams=[acc.gram], tensors=params, refine="dsnot", weights="keep", spec=REFIT)
     dense = model[0].weight.detach().clone()
     stats = acc.feature_stats()
-    spec = build_spec(SPARSESWAPS_SPEC, sparsity=0.5, refine="dsnot", weights="keep")
+    spec = build_spec(REFIT, sparsity=0.5, refine="dsnot", weights="keep")
     expected = prune_layer(dense, acc.gram, spec, feature_stats=stats).keep_mask
     sparseswaps_unstructured(
         model[0],
@@ -245,6 +238,6 @@ def test_dsnot_through_the_prune_method_needs_and_uses_feature_stats():
         feature_stats=stats,
         refine="dsnot",
         weights="keep",
-        spec=SPARSESWAPS_SPEC,
+        spec=REFIT,
     )
     assert torch.equal(model[0].weight_mask.bool(), expected)

@@ -1,13 +1,13 @@
 """The typed spec: one default, meaningless combinations refused, round trip through JSON."""
 
+import dataclasses
 import json
+import warnings
 
 import pytest
 
 from sparseswaps_prune.core.spec import (
-    DEFAULT_SPEC,
-    RECIPES,
-    ALPSStart,
+    SPARSESWAPS_SPEC,
     Budget,
     DSnoTRefine,
     KeepWeights,
@@ -17,46 +17,71 @@ from sparseswaps_prune.core.spec import (
     PruneSpec,
     ScoreStart,
     SparseGPTStart,
-    StartWeights,
     SwapRefine,
     build_spec,
 )
+from sparseswaps_prune.recipes import RECIPES
 
-SWAPS = RECIPES["sparseswaps"]  # the building blocks' defaults: PruneSpec()
+SWAPS = RECIPES["sparseswaps-refit"].spec  # Wanda -> SparseSwaps T=10 -> least-squares re-fit
+ALPS = RECIPES["alps"].spec
 
 
-def test_default_spec():
-    assert DEFAULT_SPEC == PruneSpec(
-        budget=Budget(sparsity=0.6, scope="layer"), start=ALPSStart(), refine=NoRefine(), weights=StartWeights()
+def test_the_default_spec_is_sparseswaps_masks_only():
+    assert build_spec() == PruneSpec() == SPARSESWAPS_SPEC == RECIPES["sparseswaps"].spec
+    assert SPARSESWAPS_SPEC == PruneSpec(
+        budget=Budget(sparsity=0.6), start=ScoreStart("wanda"), refine=SwapRefine(max_iters=25), weights=KeepWeights()
     )
-    assert DEFAULT_SPEC.describe() == "60% per layer: alps -> none -> start"
-    assert build_spec() == DEFAULT_SPEC == RECIPES["alps"]  # the pipeline tunes the default, not the published alps
+    assert SPARSESWAPS_SPEC.describe() == "60% per row: wanda -> sparseswaps T=25 (mask) -> keep"
+    assert not SPARSESWAPS_SPEC.updates_weights
     assert build_spec(nm=(2, 4)).budget == Budget(nm=(2, 4), scope="row")
-    assert SWAPS == PruneSpec(
-        budget=Budget(sparsity=0.6), start=ScoreStart("wanda"), refine=SwapRefine(max_iters=10), weights=LeastSquares()
-    )
     assert SWAPS.describe() == "60% per row: wanda -> sparseswaps T=10 (mask) -> ls (diag ridge 0.1)"
     assert SWAPS.weights == LeastSquares(solver="direct", damp=0.1, guard=False, ridge="diag")
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "match"),
+    ("kwargs", "want"),
     [
-        ({"max_iters": 25}, r"max_iters is an option of refine='sparseswaps'.*--recipe sparseswaps"),
-        ({"start": "wanda"}, r"start 'wanda' computes none.*--recipe sparseswaps"),
-        ({"refine": "sparseswaps"}, "use refine='none', or weights='ls'"),
+        ({"max_iters": 30}, "60% per row: wanda -> sparseswaps T=30 (mask) -> keep"),
+        ({"start": "ria", "eps": 1e-6}, "60% per row: ria -> sparseswaps T=25 (mask) -> keep"),
+        (
+            {"objective": "refit", "weights": "ls"},
+            "60% per row: wanda -> sparseswaps T=25 (refit) -> ls (diag ridge 0.1)",
+        ),
     ],
 )
-def test_swap_options_on_the_default_name_the_sparseswaps_recipe(kwargs, match):
-    with pytest.raises(ValueError, match=match):
-        build_spec(**kwargs)
-    build_spec(SWAPS, **kwargs)  # meaningful on SparseSwaps' own spec
+def test_swap_options_work_on_the_default_without_a_spec(kwargs, want):
+    assert build_spec(**kwargs).describe() == want
+
+
+def test_swap_options_on_a_spec_that_does_not_swap_name_the_fix():
+    with pytest.raises(ValueError, match=r"max_iters is an option of refine='sparseswaps'.*--refine sparseswaps"):
+        build_spec(ALPS, max_iters=25)
+    with pytest.raises(ValueError, match=r"start 'wanda' computes none.*--recipe sparseswaps-refit"):
+        build_spec(ALPS, start="wanda")
+
+
+def test_renamed_options_warn_and_map_to_their_new_names():
+    with pytest.warns(DeprecationWarning, match="warmstart= is renamed start="):
+        assert build_spec(warmstart="ria") == build_spec(start="ria")
+    with pytest.warns(DeprecationWarning, match="refit= is renamed weights="):
+        assert build_spec(refit="none").weights == KeepWeights()
+    with pytest.warns(DeprecationWarning) as caught:
+        assert build_spec(refit="ls", holdout_guard=True).weights == LeastSquares(guard=True)
+    assert [str(w.message).split(" is")[0] for w in caught] == ["refit=", "holdout_guard="]
+    with warnings.catch_warnings(), pytest.raises(ValueError, match="give start= only"):
+        warnings.simplefilter("ignore", DeprecationWarning)
+        build_spec(warmstart="ria", start="wanda")
+    with pytest.raises(TypeError, match=r"unknown option warm_start='ria'; the options are sparsity, nm"):
+        build_spec(warm_start="ria")
+    with pytest.raises(TypeError, match=r"base must be a PruneSpec.*RECIPES\['alps'\].spec"):
+        build_spec(RECIPES["alps"])
 
 
 @pytest.mark.parametrize(
     "spec",
     [
-        DEFAULT_SPEC,
+        ALPS,
+        SPARSESWAPS_SPEC,
         build_spec(SWAPS, nm=(2, 4), start="sparsegpt", weights="obs", start_damp=0.05),
         build_spec(SWAPS, start="admm", scope="layer", refine="none", weights="start"),
         build_spec(SWAPS, start="alps", start_damp=0.02, weights="alps", guard=True),
@@ -140,27 +165,30 @@ def test_ridge_takes_its_own_default_damp_unless_given():
 
 def test_swap_scope_row_under_a_layer_budget():
     spec = build_spec(SWAPS, start="admm", scope="layer", swap_scope="row")
-    assert spec.refine == SwapRefine(scope="row") and spec.budget.scope == "layer"
+    assert spec.refine == SwapRefine(max_iters=10, scope="row") and spec.budget.scope == "layer"
     assert spec.describe() == "60% per layer: admm -> sparseswaps T=10 (mask) (within rows) -> ls (diag ridge 0.1)"
-    assert PruneSpec.from_dict({**SWAPS.to_dict(), "refine": {"kind": "sparseswaps"}}) == SWAPS
+    want = PruneSpec.from_dict({**SWAPS.to_dict(), "refine": {"kind": "sparseswaps"}})  # the stage's defaults
+    assert want == dataclasses.replace(SWAPS, refine=SwapRefine())
 
 
 def test_recipes_are_specs_that_options_change():
-    assert RECIPES["default"] is DEFAULT_SPEC and RECIPES["sparseswaps"] == PruneSpec()
-    assert RECIPES["paper"].describe() == "60% per row: wanda -> sparseswaps T=100 (mask) -> keep"
-    assert RECIPES["admm"] == build_spec(SWAPS, start="admm", scope="layer", refine="none", weights="start")
-    assert RECIPES["alps-swaps"] == build_spec(
+    assert RECIPES["best"].spec == ALPS and RECIPES["best"].block_tune_epochs == 3
+    assert RECIPES["alps"].block_tune_epochs == 0  # as published
+    assert RECIPES["paper"].spec.describe() == "60% per row: wanda -> sparseswaps T=100 (mask) -> keep"
+    assert RECIPES["admm"].spec == build_spec(SWAPS, start="admm", scope="layer", refine="none", weights="start")
+    assert RECIPES["alps-swaps"].spec == build_spec(
         SWAPS, start="alps", scope="layer", swap_scope="row", objective="refit", max_iters=25
     )
-    assert RECIPES["alps-swaps"].weights == SWAPS.weights  # the re-fit objective's own re-fit
-    seventy = build_spec(RECIPES["alps"], sparsity=0.7)
-    assert seventy.budget == Budget(sparsity=0.7, scope="layer") and seventy.start == RECIPES["alps"].start
+    assert RECIPES["alps-swaps"].spec.weights == SWAPS.weights  # the re-fit objective's own re-fit
+    seventy = build_spec(ALPS, sparsity=0.7)
+    assert seventy.budget == Budget(sparsity=0.7, scope="layer") and seventy.start == ALPS.start
     # N:M fixes every row's count: a layer-wise recipe selects per row, unless a scope is asked for
-    assert build_spec(RECIPES["sparsegpt"], nm=(2, 4)).budget == Budget(nm=(2, 4), scope="row")
+    assert build_spec(RECIPES["sparsegpt"].spec, nm=(2, 4)).budget == Budget(nm=(2, 4), scope="row")
     with pytest.raises(ValueError, match="scope='layer' has no meaning"):
-        build_spec(RECIPES["sparsegpt"], nm=(2, 4), scope="layer")
-    for name, spec in RECIPES.items():
-        assert PruneSpec.from_dict(json.loads(json.dumps(spec.to_dict()))) == spec, name
+        build_spec(RECIPES["sparsegpt"].spec, nm=(2, 4), scope="layer")
+    for name, recipe in RECIPES.items():
+        assert PruneSpec.from_dict(json.loads(json.dumps(recipe.spec.to_dict()))) == recipe.spec, name
+        assert recipe.updates_weights == (name not in ("sparseswaps", "paper", "wanda")), name
 
 
 def test_stages_are_type_checked():
@@ -169,4 +197,4 @@ def test_stages_are_type_checked():
     with pytest.raises(TypeError, match="budget must be a Budget"):
         PruneSpec(budget=0.5)
     with pytest.raises(ValueError, match="unknown weights kind"):
-        PruneSpec.from_dict(DEFAULT_SPEC.to_dict() | {"weights": {"kind": "magic"}})
+        PruneSpec.from_dict(ALPS.to_dict() | {"weights": {"kind": "magic"}})

@@ -43,7 +43,8 @@ def test_refine_rejects_bad_input(kwargs, error, match):
         ({"sparsity": float("nan")}, TypeError, "sparsity"),
         ({"sparsity": 0.5, "nm": (2, 4)}, ValueError, "exactly one"),
         ({}, ValueError, "exactly one"),
-        ({"nm": (5, 4)}, ValueError, "0 <= n <= m"),
+        ({"nm": (5, 4)}, ValueError, "1 <= n <= m"),
+        ({"nm": (0, 4)}, ValueError, "n must be at least 1"),
         ({"nm": (1, 3)}, ValueError, "does not divide"),
         ({"nm": "2:4"}, TypeError, "pair of ints"),
     ],
@@ -102,3 +103,24 @@ def test_empty_and_meta_weights_and_near_one_sparsity():
         .eq(1)
         .all()
     )
+
+
+def test_nm_keeping_no_weight_is_refused_by_every_entry_point():
+    """Issue 47, item 3: ``nm=(0, m)`` pruned every weight (an all-zero model, exit 0); it is refused like
+    ``sparsity`` near 1, by the spec and by every function that takes a budget, naming ``nm``."""
+    from sparseswaps_prune.core.alps import alps_prune
+    from sparseswaps_prune.core.sparsegpt import sparsegpt_prune
+
+    match = r"nm=\(0, 4\) keeps none of every 4 weights.*n must be at least 1"
+    with pytest.raises(ValueError, match=match):
+        build_spec(SPARSESWAPS_SPEC, nm=(0, 4))
+    with pytest.raises(ValueError, match=match):
+        warmstart_mask(W, "magnitude", nm=(0, 4))
+    with pytest.raises(ValueError, match=match):
+        alps_prune(W, G, nm=(0, 4))
+    with pytest.raises(ValueError, match=match):
+        sparsegpt_prune(W, G, nm=(0, 4))
+    with pytest.raises(ValueError, match=match):
+        refine_mask(W, G, K, nm=(0, 4))
+    # n = m keeps every weight (as sparsity 0 does): accepted
+    assert warmstart_mask(W, "magnitude", nm=(4, 4)).all()

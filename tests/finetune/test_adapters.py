@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.nn.utils import prune
 
-from sparseswaps_prune.core.spec import SPARSESWAPS_SPEC, build_spec
+from sparseswaps_prune.core.spec import build_spec
 from sparseswaps_prune.finetune import (
     AdapterHook,
     adapted_modules,
@@ -21,10 +21,13 @@ from sparseswaps_prune.finetune import (
 )
 from sparseswaps_prune.llm.pipeline import PruneOptions, prune_model
 from sparseswaps_prune.modules import find_layers
+from sparseswaps_prune.recipes import RECIPES
 from tests.finetune.helpers import counting_ids, fresh_tiny, pruned_tiny, weight_2d
 
 ARCHS = ["llama", "gpt2"]
 KINDS = ["masklora", "scalelora"]
+
+REFIT = RECIPES["sparseswaps-refit"].spec  # Wanda -> SparseSwaps T=10 -> least-squares re-fit
 
 
 def train_steps(model, ids, steps: int = 4, lr: float = 1e-2) -> list[float]:
@@ -116,7 +119,7 @@ def test_pruning_after_attaching_is_followed(kind):
 def test_pipeline_prunes_the_linears_not_the_adapters():
     model = fresh_tiny("llama")
     attach_adapters(model, "masklora", rank=4)
-    options = PruneOptions(spec=build_spec(SPARSESWAPS_SPEC, sparsity=0.5, max_iters=2))
+    options = PruneOptions(spec=build_spec(REFIT, sparsity=0.5, max_iters=2))
     result = prune_model(model, counting_ids(2), options, progress=False)
     assert len(result.layers) == 14 and not any("adapter" in report.name for report in result.layers)
     train_steps(model, counting_ids(4), steps=2)

@@ -9,12 +9,13 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from sparseswaps_prune import SPARSESWAPS_SPEC
+from sparseswaps_prune import RECIPES
 from sparseswaps_prune.callbacks import SparseSwapsPruning
 from sparseswaps_prune.finetune import CausalLMModule, adapted_modules, effective_weight
 from tests.finetune.helpers import counting_ids, fresh_tiny
 
 MLP_LAYERS = [f"model.layers.{i}.mlp.{p}" for i in (0, 1) for p in ("gate_proj", "up_proj", "down_proj")]
+REFIT = RECIPES["sparseswaps-refit"].spec  # Wanda -> SparseSwaps T=10 -> least-squares re-fit
 
 
 def make_trainer(tmp_path, *callbacks, **kwargs) -> pl.Trainer:
@@ -51,9 +52,7 @@ class Probe(pl.Callback):
 def test_prune_at_fit_start_then_train_adapters(tmp_path, adapter):
     module = CausalLMModule(fresh_tiny("llama"), adapter=adapter, rank=4, include=["*.mlp.*"], lr=1e-2)
     assert module.adapted == MLP_LAYERS
-    cb = SparseSwapsPruning(
-        spec=SPARSESWAPS_SPEC, sparsity=0.5, include=["*.mlp.*"], max_iters=5, calibration_batches=2
-    )
+    cb = SparseSwapsPruning(spec=REFIT, sparsity=0.5, include=["*.mlp.*"], max_iters=5, calibration_batches=2)
     probe = Probe()
     make_trainer(tmp_path, cb, probe).fit(module, loader())
     assert sorted(cb.stats) == sorted("model." + name for name in MLP_LAYERS)
@@ -84,9 +83,7 @@ def test_prune_at_fit_start_then_train_adapters(tmp_path, adapter):
 @pytest.mark.filterwarnings("ignore:You're resuming from a checkpoint that ended before the epoch ended")
 def test_checkpoint_round_trip_with_adapters(tmp_path):
     module = CausalLMModule(fresh_tiny("llama"), rank=2, include=["*.mlp.*"], lr=1e-2)
-    cb = SparseSwapsPruning(
-        spec=SPARSESWAPS_SPEC, sparsity=0.5, include=["*.mlp.*"], max_iters=5, calibration_batches=1
-    )
+    cb = SparseSwapsPruning(spec=REFIT, sparsity=0.5, include=["*.mlp.*"], max_iters=5, calibration_batches=1)
     trainer = make_trainer(tmp_path, cb, max_steps=3)
     trainer.fit(module, loader())
     path = tmp_path / "perp.ckpt"
@@ -101,9 +98,7 @@ def test_checkpoint_round_trip_with_adapters(tmp_path):
     assert torch.equal(loaded.model.get_submodule(up).weight_mask, module.model.get_submodule(up).weight_mask)
 
     resumed = CausalLMModule(fresh_tiny("llama"), rank=2, include=["*.mlp.*"], lr=1e-2)
-    cb2 = SparseSwapsPruning(
-        spec=SPARSESWAPS_SPEC, sparsity=0.5, include=["*.mlp.*"], max_iters=5, calibration_batches=1
-    )
+    cb2 = SparseSwapsPruning(spec=REFIT, sparsity=0.5, include=["*.mlp.*"], max_iters=5, calibration_batches=1)
     make_trainer(tmp_path, cb2, max_steps=5).fit(resumed, loader(), ckpt_path=path)  # Adam state restores too
     assert cb2.pruned and cb2.stats == {}  # not pruned again
     layer = resumed.model.get_submodule(up)

@@ -1,18 +1,19 @@
 """Block tuning (llm/block_tune.py) on tiny random-weight models: exact zeros, the held-out choice of epoch,
-the dense target stream, resume, and the refusals."""
+the dense target stream, resume, the refusals, half precision and the fall-back to the untuned weights."""
 
 from __future__ import annotations
 
 import copy
 import dataclasses
 import json
+import logging
 
 import pytest
 import torch
 
 from sparseswaps_prune.core.spec import SPARSESWAPS_SPEC, build_spec
-from sparseswaps_prune.llm import pipeline
-from sparseswaps_prune.llm.block_tune import relative_error, step_lr, tune_block
+from sparseswaps_prune.llm import block_tune, pipeline
+from sparseswaps_prune.llm.block_tune import NOT_LOWERED, relative_error, step_lr, tune_block
 from sparseswaps_prune.llm.capture import capture_block_inputs
 from sparseswaps_prune.llm.job import JobConfig
 from sparseswaps_prune.llm.layers import find_blocks
@@ -27,14 +28,16 @@ def calib(n: int = 4, seqlen: int = 24, seed: int = 0) -> torch.Tensor:
 
 
 def opts(epochs: int = 3, lr: float = 1e-3, **spec) -> PruneOptions:
+    spec = {"weights": "ls"} | spec  # SparseSwaps with its re-fit, whatever SPARSESWAPS_SPEC's weight stage is
     return PruneOptions(
         spec=build_spec(SPARSESWAPS_SPEC, max_iters=4, **spec), block_tune_epochs=epochs, block_tune_lr=lr
     )
 
 
-def pruned_block(holdout: bool = True):
-    """Block 0 of a tiny llama with every layer's Wanda-like mask applied, its inputs and the dense targets."""
-    model = tiny_model("llama", num_hidden_layers=1)
+def pruned_block(holdout: bool = True, dtype: torch.dtype = torch.float32):
+    """Block 0 of a tiny llama (in ``dtype``) with every layer's Wanda-like mask applied, its inputs and the dense
+    targets."""
+    model = tiny_model("llama", num_hidden_layers=1).to(dtype)
     _, blocks = find_blocks(model)
     inputs = {"fit": capture_block_inputs(model, blocks, calib(), batch_size=2)}
     if holdout:
@@ -71,6 +74,7 @@ def test_an_epoch_that_does_not_help_on_held_out_windows_is_not_kept():
     before = [layer.module.weight_orig.detach().clone() for layer in layers]
     report = tune_block(block, layers, inputs, targets, index=0, epochs=2, lr=10.0, device=torch.device("cpu"))
     assert report.best_epoch == 0 and report.holdout_after == report.holdout_before
+    assert report.fallback == NOT_LOWERED  # the report says why the tuning was not kept
     for layer, weight in zip(layers, before, strict=True):
         assert torch.equal(layer.module.weight_orig, weight)
 
@@ -194,3 +198,161 @@ def test_tuning_with_split_windows_across_ranks_is_refused():
     with pytest.raises(ValueError, match="--calib-shards 1"):
         config.validate()
     JobConfig(prune=PruneOptions(block_tune_epochs=0, calib_shards=2), distributed=True).validate()
+
+
+# --- half precision and the fall-back to the untuned weights (issue 47, item 2) ---
+
+
+def weights_of(layers) -> list[torch.Tensor]:
+    return [layer.module.weight_orig.detach().clone() for layer in layers]
+
+
+def test_float16_tuning_keeps_float32_adam_state_and_lowers_the_held_out_error(monkeypatch):
+    """Adam in float16 rounds its eps=1e-8 to 0, so every pruned entry (zero gradient) got 0/0 = NaN and the held-out
+    choice threw every epoch away; the float16 block is tuned through float32 masters (Adam's state float32 too)."""
+    assert torch.tensor(1e-8, dtype=torch.float16) == 0  # the cause
+    dtypes = []
+    step = torch.optim.Adam.step
+
+    def spy(self, *args, **kwargs):
+        out = step(self, *args, **kwargs)
+        dtypes.append({p.dtype for group in self.param_groups for p in group["params"]})
+        dtypes.append({v.dtype for state in self.state.values() for k, v in state.items() if k != "step"})
+        return out
+
+    monkeypatch.setattr(torch.optim.Adam, "step", spy)
+    block, layers, inputs, targets = pruned_block(dtype=torch.float16)
+    before = weights_of(layers)
+    report = tune_block(block, layers, inputs, targets, index=0, epochs=3, lr=1e-3, device=torch.device("cpu"))
+    assert dtypes and all(d == {torch.float32} for d in dtypes)
+    assert report.fallback is None and report.best_epoch > 0 and report.skipped_steps == 0
+    assert report.holdout_after < report.holdout_before and report.fit_after < report.fit_before
+    for layer, old in zip(layers, before, strict=True):
+        orig, pruned = layer.module.weight_orig, ~layer.module.weight_mask.bool()
+        assert orig.dtype == torch.float16 and torch.isfinite(orig).all()
+        assert torch.equal(orig[pruned], old[pruned]) and not torch.equal(orig, old)
+
+
+def test_float16_loss_scale_is_undone_and_overflowing_steps_are_skipped(monkeypatch):
+    """The float16 loss scale changes nothing but which gradients underflow (the masters get unscaled gradients);
+    a step whose scaled gradients overflow is skipped, and the report says so when no step was left."""
+    reports = {}
+    for scale in (2.0**4, 2.0**16, 2.0**60):
+        monkeypatch.setattr(block_tune, "HALF_LOSS_SCALE", scale)
+        block, layers, inputs, targets = pruned_block(dtype=torch.float16)
+        before = weights_of(layers)
+        reports[scale] = tune_block(block, layers, inputs, targets, index=0, epochs=3, lr=1e-3, device="cpu")
+    assert reports[2.0**4].skipped_steps == reports[2.0**16].skipped_steps == 0
+    assert reports[2.0**4].fit_after == pytest.approx(reports[2.0**16].fit_after, rel=1e-3)
+    assert reports[2.0**60].skipped_steps == 6  # 2 batches x 3 epochs, each halving the scale: still too large
+    assert reports[2.0**60].fallback == NOT_LOWERED + " (6 of 6 steps skipped: float16 gradients overflowed)"
+    assert all(torch.equal(layer.module.weight_orig, old) for layer, old in zip(layers, before, strict=True))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_tuning_without_held_out_windows_keeps_finite_tuned_weights(dtype):
+    """With --holdout 0 the last epoch is kept: in float16 its weights were NaN (and saved)."""
+    block, layers, inputs, targets = pruned_block(holdout=False, dtype=dtype)
+    report = tune_block(block, layers, inputs, targets, index=0, epochs=2, lr=1e-3, device=torch.device("cpu"))
+    assert (report.best_epoch, report.fallback) == (2, None) and report.fit_after < report.fit_before
+    assert all(torch.isfinite(layer.module.weight_orig).all() for layer in layers)
+
+
+@pytest.mark.parametrize("dtype, holdout", [(torch.float32, True), (torch.float32, False), (torch.float16, True)])
+def test_a_learning_rate_too_high_falls_back_to_the_untuned_weights(dtype, holdout, caplog):
+    block, layers, inputs, targets = pruned_block(holdout=holdout, dtype=dtype)
+    before = weights_of(layers)
+    with caplog.at_level(logging.WARNING, logger=block_tune.__name__):
+        report = tune_block(block, layers, inputs, targets, index=4, epochs=2, lr=1e6, device=torch.device("cpu"))
+    assert report.best_epoch == 0
+    assert report.fallback == "non-finite weights after epoch 1 (learning rate 1e+06 too high?)"
+    assert (report.fit_after, report.holdout_after) == (report.fit_before, report.holdout_before)
+    for layer, old in zip(layers, before, strict=True):
+        assert torch.equal(layer.module.weight_orig, old)
+    assert f"block 4: block tuning fell back to the untuned weights: {report.fallback}" in caplog.text
+
+
+def test_non_finite_outputs_after_tuning_fall_back(monkeypatch, caplog):
+    """Finite weights whose block outputs on the calibration windows are not finite are not kept either."""
+    block, layers, inputs, targets = pruned_block(holdout=False)
+    before, calls = weights_of(layers), []
+
+    def error(*args):
+        calls.append(args)
+        return float("nan") if len(calls) == 2 else relative_error(*args)  # 1: before tuning, 2: after
+
+    monkeypatch.setattr(block_tune, "relative_error", error)
+    with caplog.at_level(logging.WARNING, logger=block_tune.__name__):
+        report = tune_block(block, layers, inputs, targets, index=0, epochs=1, lr=1e-3, device=torch.device("cpu"))
+    assert report.fallback.startswith("non-finite block outputs on the calibration windows after tuning")
+    assert report.best_epoch == 0 and report.fit_after == report.fit_before
+    assert all(torch.equal(layer.module.weight_orig, old) for layer, old in zip(layers, before, strict=True))
+    assert "fell back" in caplog.text
+
+
+def test_non_finite_targets_are_not_tuned_on(caplog):
+    block, layers, inputs, targets = pruned_block()
+    targets["fit"].hidden_states[0, 0, 0] = float("inf")
+    before = weights_of(layers)
+    with caplog.at_level(logging.WARNING, logger=block_tune.__name__):
+        report = tune_block(block, layers, inputs, targets, index=0, epochs=2, lr=1e-3, device=torch.device("cpu"))
+    assert report.best_epoch == 0 and "not finite before tuning" in report.fallback
+    assert all(torch.equal(layer.module.weight_orig, old) for layer, old in zip(layers, before, strict=True))
+    assert "fell back" in caplog.text
+
+
+def test_float16_pipeline_with_every_block_tuned_leaves_finite_tuned_weights():
+    """The pipeline on a float16 model without held-out windows: every block keeps its last tuned epoch, finite."""
+    model = tiny_model("llama", num_hidden_layers=2).half()
+    result = prune_model(model, calib(), opts(epochs=2), progress=False)
+    finalize(model)
+    assert [(t.best_epoch, t.fallback) for t in result.block_tunes] == [(2, None), (2, None)]
+    assert all(t.fit_after < t.fit_before for t in result.block_tunes)
+    for name, tensor in model.state_dict().items():
+        assert torch.isfinite(tensor).all(), name
+
+
+def test_pipeline_with_a_learning_rate_too_high_keeps_every_untuned_block():
+    """--block-tune-lr 1e6 with every block tuned ended in an error blaming the next block's calibration activations
+    ("fp16 overflow?"); now each block falls back to its untuned weights: the model of an untuned run, finite."""
+    plain, tuned = tiny_model("llama", num_hidden_layers=2), tiny_model("llama", num_hidden_layers=2)
+    prune_model(plain, calib(), opts(epochs=0), progress=False)
+    result = prune_model(tuned, calib(), opts(epochs=2, lr=1e6), progress=False)
+    finalize(plain), finalize(tuned)
+    assert [t.best_epoch for t in result.block_tunes] == [0, 0]
+    assert all(t.fallback.startswith("non-finite weights after epoch 1") for t in result.block_tunes)
+    for (name, a), b in zip(plain.state_dict().items(), tuned.state_dict().values(), strict=True):
+        assert torch.equal(a, b) and torch.isfinite(b).all(), name
+
+
+def byte_tokenizer(directory) -> None:
+    """Save a byte-level tokenizer (257 ids) in ``directory``: a stand-in for the packaged one, in a second."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))} | {"<eos>": 256}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<eos>", pad_token="<eos>").save_pretrained(directory)
+
+
+def test_cli_float16_without_held_out_windows_saves_finite_tuned_weights(tmp_path):
+    """`sparseswaps prune --dtype float16 --holdout 0` with block tuning saved 7 NaN tensors, exit 0."""
+    from sparseswaps_prune.cli import main
+    from tests.llm.helpers import saved_tensors
+
+    model_dir, out = tmp_path / "model", tmp_path / "out"
+    tiny_model("llama", hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1,
+               vocab_size=257).save_pretrained(model_dir)  # fmt: skip
+    byte_tokenizer(model_dir)
+    (model_dir / "calib.txt").write_text("The quick brown fox jumps over the lazy dog. " * 20, encoding="utf-8")
+    args = ["prune", "--model", str(model_dir), "--calib", str(model_dir / "calib.txt"), "--nsamples", "2",
+            "--seqlen", "16", "--holdout", "0", "--dtype", "float16", "--recipe", "sparseswaps", "--max-iters", "1",
+            "--backend", "torch", "--block-tune-epochs", "2", "--quiet", "--out", str(out)]  # fmt: skip
+    assert main(args) == 0
+    tensors = saved_tensors(out)
+    assert tensors and all(t.dtype == torch.float16 for t in tensors.values())
+    assert [name for name, t in tensors.items() if not torch.isfinite(t).all()] == []
+    tunes = json.loads((out / "report.json").read_text())["block_tunes"]
+    assert [(t["best_epoch"], t["fallback"]) for t in tunes] == [(2, None), (2, None)]

@@ -14,12 +14,16 @@ import torch
 from safetensors.torch import load_file
 
 from sparseswaps_prune.cli import main
-from sparseswaps_prune.core.spec import SPARSESWAPS_SPEC, build_spec
+from sparseswaps_prune.core.spec import build_spec
 from sparseswaps_prune.llm import pipeline, streaming
 from sparseswaps_prune.llm.job import STAGING_DIR, STATE_DIR, JobConfig, run_job
 from sparseswaps_prune.llm.models import default_gguf_path
+from sparseswaps_prune.recipes import RECIPES
 
-ARGS = ["--nsamples", "2", "--seqlen", "16", "--holdout", "1", "--recipe", "sparseswaps", "--max-iters", "2", "--quiet"]
+ARGS = ["--nsamples", "2", "--seqlen", "16", "--holdout", "1", "--recipe", "sparseswaps-refit", "--max-iters", "2",
+        "--quiet"]  # fmt: skip
+
+REFIT = RECIPES["sparseswaps-refit"].spec  # Wanda -> SparseSwaps T=10 -> least-squares re-fit
 
 
 @pytest.mark.parametrize("flags", [[], ["--sparsity-profile", "owl"]])
@@ -94,7 +98,7 @@ def test_interrupted_blockwise_job_resumes_bit_for_bit(saved_tiny, tmp_path, mon
     """Stopped while pruning block 1: the finished block stays in the staging shards and the checkpoint, and the
     same call prunes block 1 only and saves what an uninterrupted run saves."""
     config = JobConfig(model=str(saved_tiny), eval=None, blockwise=True, nsamples=2, seqlen=16, holdout=1)
-    config.prune.spec = build_spec(SPARSESWAPS_SPEC, max_iters=2)
+    config.prune.spec = build_spec(REFIT, max_iters=2)
     reference = run_job(config, tmp_path / "reference", progress=False)
     original, calls = pipeline._process_block, []
 
@@ -122,8 +126,8 @@ def test_torchrun_blockwise_job_equals_one_process(saved_tiny, tmp_path):
     """``torchrun --nproc-per-node=2 ... prune --blockwise --distributed`` (gloo) writes the files and layer losses
     of one ``--blockwise`` process with the same ``--calib-shards``; rank 0 alone reports and nothing is left over."""
     args = ["prune", "--model", str(saved_tiny), "--blockwise", "--eval", "none", "--nsamples", "2", "--holdout", "2",
-            "--batch-size", "1", "--calib-shards", "2", "--seqlen", "16", "--recipe", "sparseswaps", "--max-iters", "2",
-            "--block-tune-epochs", "0", "--quiet"]  # fmt: skip
+            "--batch-size", "1", "--calib-shards", "2", "--seqlen", "16", "--recipe", "sparseswaps-refit",
+            "--max-iters", "2", "--block-tune-epochs", "0", "--quiet"]  # fmt: skip
     env = os.environ | {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     cli = [sys.executable, "-m", "sparseswaps_prune.cli"]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",

@@ -15,16 +15,19 @@ from accelerate.utils.modeling import get_state_dict_offloaded_model
 from transformers import AutoModelForCausalLM
 
 from sparseswaps_prune.cli import build_parser, job_config
-from sparseswaps_prune.core.spec import SPARSESWAPS_SPEC, build_spec
+from sparseswaps_prune.core.spec import build_spec
 from sparseswaps_prune.llm import budgets, pipeline
 from sparseswaps_prune.llm.job import JobConfig
 from sparseswaps_prune.llm.layers import find_blocks
 from sparseswaps_prune.llm.models import tiny_model
 from sparseswaps_prune.llm.pipeline import PruneOptions, block_options, finalize, prune_model
 from sparseswaps_prune.llm.streaming import prune_checkpoint
+from sparseswaps_prune.recipes import RECIPES
 from tests.llm.helpers import crash_on_call, saved_tensors
 
 N_BLOCKS = 4
+
+REFIT = RECIPES["sparseswaps-refit"].spec  # Wanda -> SparseSwaps T=10 -> least-squares re-fit
 
 
 def calib(n: int = 4, seqlen: int = 24, seed: int = 0) -> torch.Tensor:
@@ -32,7 +35,7 @@ def calib(n: int = 4, seqlen: int = 24, seed: int = 0) -> torch.Tensor:
 
 
 def owl(lam: float = 0.08, **spec_options) -> PruneOptions:
-    spec = build_spec(SPARSESWAPS_SPEC, **({"sparsity": 0.5, "max_iters": 3} | spec_options))
+    spec = build_spec(REFIT, **({"sparsity": 0.5, "max_iters": 3} | spec_options))
     return PruneOptions(spec=spec, sparsity_profile="owl", owl_lambda=lam)
 
 
@@ -80,7 +83,7 @@ def test_offloaded_model_gets_the_same_budgets():
 
 
 def test_uniform_runs_no_pre_pass_and_zero_lambda_equals_uniform(monkeypatch):
-    uniform = PruneOptions(spec=build_spec(SPARSESWAPS_SPEC, sparsity=0.5, max_iters=3))
+    uniform = PruneOptions(spec=build_spec(REFIT, sparsity=0.5, max_iters=3))
     flat = owl(lam=0.0)
     reference = model()
     with monkeypatch.context() as patch:
@@ -117,7 +120,7 @@ def test_resume_recomputes_the_same_budgets(tmp_path):
 
 def test_refusals_name_the_option_before_anything_is_modified(tmp_path):
     with pytest.raises(ValueError, match=r"sparsity_profile='owl' .* nm=\(2, 4\); use sparsity="):
-        PruneOptions(spec=build_spec(SPARSESWAPS_SPEC, nm=(2, 4)), sparsity_profile="owl").validate()
+        PruneOptions(spec=build_spec(REFIT, nm=(2, 4)), sparsity_profile="owl").validate()
     bad_options = {"sparsity_profile": "OWL", "owl_m": 0.0, "owl_lambda": -0.1}
     for (name, value), match in zip(
         bad_options.items(), ["must be one of", "must be > 0", "must be >= 0"], strict=True
@@ -215,7 +218,9 @@ def test_cli_flags_reach_the_job_config():
 
     assert config("--sparsity-profile", "uniform") == JobConfig()
     given = config("--sparsity", "0.7", "--sparsity-profile", "owl", "--owl-m", "7", "--owl-lambda", "0.1")
-    assert given.prune == PruneOptions(spec=build_spec(sparsity=0.7), sparsity_profile="owl", owl_m=7.0, owl_lambda=0.1)
+    assert given.prune == PruneOptions(
+        spec=build_spec(RECIPES["best"].spec, sparsity=0.7), sparsity_profile="owl", owl_m=7.0, owl_lambda=0.1
+    )
     assert config("--sparsity-profile", "owl").prune == PruneOptions(sparsity_profile="owl")
     assert "(OWL M=7 lambda=0.1)" in given.prune.describe()
     with pytest.raises(ValueError, match="--owl-lambda set OWL's budgets: add --sparsity-profile owl"):

@@ -11,21 +11,24 @@ import pytest
 import torch
 
 from sparseswaps_prune import atomic
-from sparseswaps_prune.core.spec import SPARSESWAPS_SPEC, build_spec
+from sparseswaps_prune.core.spec import build_spec
 from sparseswaps_prune.llm import checkpoint, pipeline
 from sparseswaps_prune.llm.checkpoint import CheckpointMismatch, to_plain
 from sparseswaps_prune.llm.job import STATE_DIR, JobConfig, run_job
 from sparseswaps_prune.llm.models import tiny_model
 from sparseswaps_prune.llm.pipeline import PruneOptions, finalize, prune_model
+from sparseswaps_prune.recipes import RECIPES
 from tests.llm.helpers import crash_on_call
 
 N_BLOCKS = 2
 WRITES_PER_BLOCK = 4  # block file, fit inputs, held-out inputs, progress marker
 
+REFIT = RECIPES["sparseswaps-refit"].spec  # Wanda -> SparseSwaps T=10 -> least-squares re-fit
+
 
 def options(**spec) -> PruneOptions:
     # untuned: WRITES_PER_BLOCK counts the pruned model's streams (block tuning's are in test_block_tune.py)
-    return PruneOptions(spec=build_spec(SPARSESWAPS_SPEC, **({"max_iters": 2} | spec)), block_tune_epochs=0)
+    return PruneOptions(spec=build_spec(REFIT, **({"max_iters": 2} | spec)), block_tune_epochs=0)
 
 
 def tokens(n: int, seed: int) -> torch.Tensor:
@@ -203,6 +206,93 @@ def test_older_checkpoint_format_is_refused(interrupted):
     progress.write_text(json.dumps({"fingerprint": "0123456789abcdef", "next_block": 1, "inputs": ["fit"]}))
     with pytest.raises(CheckpointMismatch, match="older version"):
         run(interrupted)
+
+
+def test_checkpoint_of_the_previous_format_without_hashes_is_refused(interrupted):
+    progress = interrupted / "progress.json"
+    marker = json.loads(progress.read_text())
+    del marker["hashes"], marker["measurements"]
+    progress.write_text(json.dumps(marker | {"format": 2}))
+    with pytest.raises(CheckpointMismatch, match=r"older version \(its files carry no content hashes\).*delete"):
+        run(interrupted)
+
+
+# --- issue 47, item 7: the checkpoint's files are those that were committed, inside its directory
+
+
+def flip_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("name", ["inputs_fit_0001.pt", "inputs_holdout_0001.pt", "block_0000.pt"])
+def test_a_flipped_byte_in_a_checkpoint_file_is_refused_naming_it(interrupted, name):
+    """One flipped bit resumed to another model, exit 0; now the sha256 the marker records refuses it."""
+    assert json.loads((interrupted / "progress.json").read_text())["hashes"].keys() == {
+        "block_0000.pt", "inputs_fit_0001.pt", "inputs_holdout_0001.pt"
+    }  # fmt: skip
+    flip_byte(interrupted / name)
+    before = {p.name: p.read_bytes() for p in interrupted.iterdir() if p.suffix != ".tmp"}
+    with pytest.raises(checkpoint.CheckpointCorrupt, match=rf"{name} differs from the file that was committed") as err:
+        run(interrupted)
+    assert f"delete {interrupted}" in str(err.value) and "\n" not in str(err.value)
+    assert {p.name: p.read_bytes() for p in interrupted.iterdir() if p.suffix != ".tmp"} == before  # not touched
+
+
+def forge_marker(state: Path, change) -> None:
+    """Rewrite the committed marker with ``change(marker)`` applied (and the hashes made to match)."""
+    path = state / "progress.json"
+    marker = json.loads(path.read_text())
+    change(marker)
+    path.write_text(json.dumps(marker))
+
+
+@pytest.mark.parametrize("where", ["absolute", "parent", "symlink", "block"])
+def test_paths_outside_the_checkpoint_directory_are_refused(interrupted, tmp_path, where):
+    """``progress.json`` naming a file outside its directory (with the right hash, so that it would be used)."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    moved = "block_0000.pt" if where == "block" else "inputs_fit_0001.pt"
+    shutil.copy(interrupted / moved, outside / moved)
+    digest = checkpoint.file_digest(outside / moved)
+    name = {"absolute": str(outside / moved), "parent": f"../outside/{moved}"}.get(where, moved)
+    if where == "symlink":  # the marker's name is its own; the file is a link leading out
+        (interrupted / moved).unlink()
+        (interrupted / moved).symlink_to(outside / moved)
+
+    def change(marker):
+        if where == "block":
+            marker["blocks"][0] = f"../outside/{moved}"
+            marker["hashes"][f"../outside/{moved}"] = digest
+        else:
+            marker["inputs"]["fit"] = name
+            marker["hashes"][name] = digest
+
+    forge_marker(interrupted, change)
+    with pytest.raises(checkpoint.CheckpointCorrupt, match="not a file of its own directory") as err:
+        run(interrupted)
+    assert repr(name if where != "block" else f"../outside/{moved}") in str(err.value)
+    assert "delete" in str(err.value)
+
+
+def test_an_unloadable_file_is_one_clear_error_naming_it(interrupted):
+    """A planted pickle (``weights_only=True`` refuses to run it) with a forged hash: one line naming the file."""
+    import pickle
+
+    class Planted:
+        def __reduce__(self):
+            return (print, ("planted code ran",))
+
+    for name in ("inputs_fit_0001.pt", "block_0000.pt"):
+        path = interrupted / name
+        kept = path.read_bytes()
+        path.write_bytes(pickle.dumps(Planted(), protocol=2))
+        forge_marker(interrupted, lambda m, path=path: m["hashes"].update({path.name: checkpoint.file_digest(path)}))
+        with pytest.raises(checkpoint.CheckpointCorrupt, match=rf"{name} cannot be loaded \(UnpicklingError: "):
+            run(interrupted)
+        path.write_bytes(kept)
+        forge_marker(interrupted, lambda m, path=path: m["hashes"].update({path.name: checkpoint.file_digest(path)}))
 
 
 def test_to_plain_handles_nested_dataclasses_and_tuples():

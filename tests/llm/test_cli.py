@@ -10,11 +10,14 @@ import transformers
 
 from sparseswaps_prune.callbacks import SparseSwapsPruning
 from sparseswaps_prune.cli import build_parser, job_config, main
-from sparseswaps_prune.core.spec import DEFAULT_SPEC, RECIPES, SPARSESWAPS_SPEC, OBSUpdate, build_spec
-from sparseswaps_prune.llm.block_tune import BLOCK_TUNE_EPOCHS
+from sparseswaps_prune.core.spec import SPARSESWAPS_SPEC, OBSUpdate, build_spec
 from sparseswaps_prune.llm.job import JobConfig
 from sparseswaps_prune.llm.pipeline import PruneOptions
 from sparseswaps_prune.prune import SparseSwapsMethod
+from sparseswaps_prune.recipes import BLOCK_TUNE_EPOCHS, RECIPES
+
+BEST = RECIPES["best"].spec  # the CLI's default recipe's layer spec: ALPS's mask and weights
+REFIT = RECIPES["sparseswaps-refit"].spec  # Wanda -> SparseSwaps T=10 -> least-squares re-fit
 
 
 def test_prune_report_eval(saved_tiny, tmp_path, capsys):
@@ -23,7 +26,7 @@ def test_prune_report_eval(saved_tiny, tmp_path, capsys):
             "--seqlen", "32", "--eval-windows", "2", "--out", str(out), "--json-log"]  # fmt: skip
     assert main(args) == 0
     summary = json.loads(capsys.readouterr().out)
-    assert summary["totals"]["loss_refined"] <= summary["totals"]["loss_start"]
+    assert summary["totals"]["n_swaps"] == 0  # the default recipe does not refine ALPS's mask
     config = json.loads((out / "config_sparseswaps.json").read_text())
     assert config["prune"]["spec"]["budget"]["nm"] == [2, 4]
     # the main job's defaults: ALPS's mask and weights, then block tuning; 8 held-out windows for the report
@@ -31,7 +34,7 @@ def test_prune_report_eval(saved_tiny, tmp_path, capsys):
     assert spec["start"]["kind"] == "alps" and spec["refine"] == {"kind": "none"}
     assert spec["weights"] == {"kind": "start", "guard": False} and config["prune"]["block_tune_epochs"] == 3
     assert config["holdout"] == 8
-    assert summary["totals"]["loss_final"] <= summary["totals"]["loss_refined"]
+    assert summary["totals"]["loss_final"] < summary["totals"]["loss_refined"]  # ALPS's weights beat the mask's
     assert summary["totals"]["holdout_final"] is not None
     report = json.loads((out / "report.json").read_text())  # what the result's bits depend on besides the options
     assert report["numerics"] == {
@@ -57,17 +60,19 @@ def test_prune_report_eval(saved_tiny, tmp_path, capsys):
 def test_cli_and_python_defaults_build_the_same_job():
     """``sparseswaps prune --out x`` and the README's ``run_job(JobConfig(), out)`` run the same method."""
     assert job_config(build_parser().parse_args(["prune", "--out", "x"])) == JobConfig()
-    assert JobConfig().prune.spec == DEFAULT_SPEC and PruneOptions().spec == DEFAULT_SPEC
-    assert SparseSwapsMethod(0.6, grams=[torch.eye(2)], tensors=[]).spec == DEFAULT_SPEC
-    assert SparseSwapsPruning().spec == DEFAULT_SPEC
-    swaps = ["prune", "--out", "x", "--recipe", "sparseswaps"]
+    assert JobConfig().prune.spec == BEST and PruneOptions().spec == BEST and PruneOptions().recipe == "best"
+    # the namesake entry points default to SparseSwaps masks only; recipe="best" runs the CLI's layer spec
+    assert SparseSwapsMethod(0.6, grams=[torch.eye(2)], tensors=[]).spec == SPARSESWAPS_SPEC
+    assert SparseSwapsMethod(0.6, grams=[torch.eye(2)], tensors=[], recipe="best").spec == BEST
+    assert SparseSwapsPruning().spec == SPARSESWAPS_SPEC and SparseSwapsPruning(recipe="best").spec == BEST
+    swaps = ["prune", "--out", "x", "--recipe", "sparseswaps-refit"]
     given = job_config(build_parser().parse_args([*swaps, "--weights", "keep", "--max-iters", "7"]))
-    assert given.prune.spec == build_spec(SPARSESWAPS_SPEC, weights="keep", max_iters=7)
-    assert given.prune.block_tune_epochs == BLOCK_TUNE_EPOCHS  # SparseSwaps' spec is tuned like the default
+    assert given.prune.spec == build_spec(REFIT, weights="keep", max_iters=7)
+    assert given.prune.block_tune_epochs == BLOCK_TUNE_EPOCHS  # SparseSwaps' re-fit recipe is tuned like the default
     ridge = job_config(build_parser().parse_args([*swaps, "--ridge", "diag"]))
-    assert ridge.prune.spec == build_spec(SPARSESWAPS_SPEC, ridge="diag") and ridge.prune.spec.weights.damp == 0.1
+    assert ridge.prune.spec == build_spec(REFIT, ridge="diag") and ridge.prune.spec.weights.damp == 0.1
     recipe = job_config(build_parser().parse_args(["prune", "--out", "x", "--recipe", "alps", "--sparsity", "0.7"]))
-    assert recipe.prune.spec == build_spec(RECIPES["alps"], sparsity=0.7)
+    assert recipe.prune.spec == build_spec(RECIPES["alps"].spec, sparsity=0.7)
     assert recipe.prune.block_tune_epochs == 0  # a published recipe runs as published
     tuned = job_config(
         build_parser().parse_args(["prune", "--out", "x", "--recipe", "alps", "--block-tune-epochs", "2"])
@@ -102,14 +107,14 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
     assert "max_iters" in capsys.readouterr().err
     assert main(["prune", "--weights", "keep", "--guard", "--out", str(tmp_path / "x")]) == 2
     assert "guard" in capsys.readouterr().err
-    swaps = ["prune", "--recipe", "sparseswaps"]
+    swaps = ["prune", "--recipe", "sparseswaps-refit"]
     assert main([*swaps, "--objective", "refit", "--weights", "cg", "--out", str(tmp_path / "x")]) == 2
     assert "LeastSquares(solver='direct')" in capsys.readouterr().err
-    # the SparseSwaps options on the default (ALPS's solution) name the recipe that takes them
+    # the SparseSwaps options on the default (ALPS's solution) name the fix
     assert main(["prune", "--max-iters", "25", "--out", str(tmp_path / "x")]) == 2
-    assert "--recipe sparseswaps" in capsys.readouterr().err
+    assert "--refine sparseswaps" in capsys.readouterr().err
     assert main(["prune", "--start", "wanda", "--out", str(tmp_path / "x")]) == 2
-    assert "--recipe sparseswaps" in capsys.readouterr().err
+    assert "--recipe sparseswaps-refit" in capsys.readouterr().err
     assert main(["prune", "--calib-shards", "0", "--out", str(tmp_path / "x")]) == 2
     assert "calib_shards must be a positive int" in capsys.readouterr().err
     assert main(["prune", "--nsamples", "4", "--calib-shards", "2", "--out", str(tmp_path / "x")]) == 2
@@ -124,8 +129,8 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
 def test_weights_keep_is_the_papers_method(saved_tiny, tmp_path, capsys):
     out = tmp_path / "paper"
     args = ["prune", "--model", str(saved_tiny), "--nsamples", "2", "--seqlen", "32", "--eval-windows", "2",
-            "--recipe", "sparseswaps", "--max-iters", "2", "--weights", "keep", "--holdout", "0", "--out", str(out),
-            "--json-log"]  # fmt: skip
+            "--recipe", "sparseswaps-refit", "--max-iters", "2", "--weights", "keep", "--holdout", "0",
+            "--out", str(out), "--json-log"]  # fmt: skip
     assert main(args) == 0
     t = json.loads(capsys.readouterr().out)["totals"]
     assert t["loss_final"] == t["loss_refined"] and t["holdout_refined"] is None
@@ -150,7 +155,7 @@ def test_prune_with_refit_and_holdout(saved_tiny, tmp_path, capsys):
     "flags",
     [
         ["--start", "sparsegpt", "--scope", "layer", "--refine", "none", "--weights", "obs", "--holdout", "0"],
-        ["--recipe", "sparseswaps", "--refine", "dsnot", "--weights", "keep"],
+        ["--recipe", "sparseswaps-refit", "--refine", "dsnot", "--weights", "keep"],
         ["--refine", "none", "--no-guard"],
     ],
 )
@@ -168,7 +173,7 @@ def test_prune_baselines_from_the_cli(saved_tiny, tmp_path, capsys, flags):
 
 
 def test_recipe_alps_swaps_from_the_cli(saved_tiny, tmp_path, capsys):
-    """The best recipe end to end: ALPS's layer-wise mask, swaps within rows under the re-fit objective."""
+    """The alps-swaps recipe end to end: ALPS's layer-wise mask, swaps within rows under the re-fit objective."""
     out = tmp_path / "best"
     args = ["prune", "--model", str(saved_tiny), "--nsamples", "2", "--seqlen", "32", "--eval-windows", "2",
             "--recipe", "alps-swaps", "--max-iters", "3", "--out", str(out), "--json-log"]  # fmt: skip
@@ -177,6 +182,6 @@ def test_recipe_alps_swaps_from_the_cli(saved_tiny, tmp_path, capsys):
     assert totals["n_swaps"] > 0 and totals["loss_final"] < totals["loss_start"]
     report = json.loads((out / "report.json").read_text())
     spec = PruneOptions.from_dict(report["config"]["prune"]).spec
-    assert spec == build_spec(RECIPES["alps-swaps"], max_iters=3)
+    assert spec == build_spec(RECIPES["alps-swaps"].spec, max_iters=3)
     rows = [layer for layer in report["layers"] if layer["name"].endswith("q_proj")]
     assert rows and all(layer["sparsity"] == pytest.approx(0.6, abs=0.01) for layer in rows)  # the layer's budget

@@ -20,7 +20,7 @@ import torch.multiprocessing as mp
 from transformers import AutoModelForCausalLM
 
 from sparseswaps_prune.core.gram import GramAccumulator
-from sparseswaps_prune.core.spec import SPARSESWAPS_SPEC, build_spec
+from sparseswaps_prune.core.spec import build_spec
 from sparseswaps_prune.llm import pipeline
 from sparseswaps_prune.llm.capture import BlockInputs, capture_block_inputs
 from sparseswaps_prune.llm.checkpoint import CheckpointMismatch
@@ -30,10 +30,13 @@ from sparseswaps_prune.llm.layers import find_blocks
 from sparseswaps_prune.llm.models import tiny_model
 from sparseswaps_prune.llm.pipeline import PruneOptions, finalize, prune_model
 from sparseswaps_prune.llm.streaming import prune_checkpoint
+from sparseswaps_prune.recipes import RECIPES
 from tests.llm.helpers import saved_tensors
 
 SHARD = "1MB"
 N_CALIB, N_HOLDOUT = 7, 4  # in batches of 2: the last calibration batch is short
+
+REFIT = RECIPES["sparseswaps-refit"].spec  # Wanda -> SparseSwaps T=10 -> least-squares re-fit
 
 
 def calib(n: int = N_CALIB, seqlen: int = 12, seed: int = 0) -> torch.Tensor:
@@ -46,7 +49,7 @@ def timeless(reports: list) -> list:
 
 def options(shards: int) -> PruneOptions:
     return PruneOptions(
-        spec=build_spec(SPARSESWAPS_SPEC, max_iters=1), calib_shards=shards, block_tune_epochs=0 if shards > 1 else 5
+        spec=build_spec(REFIT, max_iters=1), calib_shards=shards, block_tune_epochs=0 if shards > 1 else 5
     )
 
 
@@ -125,7 +128,7 @@ def test_one_shard_is_the_default_and_shards_only_reorder_sums():
     def run(opts: PruneOptions):
         return prune_model(tiny_model("llama").eval(), calib(), opts, progress=False, batch_size=2, holdout_tokens=held)
 
-    base = run(PruneOptions(spec=build_spec(SPARSESWAPS_SPEC, max_iters=1)))
+    base = run(PruneOptions(spec=build_spec(REFIT, max_iters=1)))
     assert timeless(run(options(1)).layers) == timeless(base.layers)
     sharded = run(options(2))
     for got, want in zip(sharded.layers, base.layers, strict=True):
@@ -285,7 +288,7 @@ def _cli(args: list[str], tmp: Path, ranks: int = 0) -> subprocess.CompletedProc
 
 def test_torchrun_job_equals_one_process(saved_tiny, tmp_path):
     args = ["prune", "--model", str(saved_tiny), "--nsamples", "4", "--holdout", "2", "--batch-size", "1",
-            "--calib-shards", "2", "--seqlen", "32", "--eval-windows", "2", "--recipe", "sparseswaps",
+            "--calib-shards", "2", "--seqlen", "32", "--eval-windows", "2", "--recipe", "sparseswaps-refit",
             "--max-iters", "2", "--block-tune-epochs", "0", "--quiet"]  # fmt: skip
     one = _cli([*args, "--out", str(tmp_path / "one")], tmp_path)
     assert one.returncode == 0, one.stderr
@@ -371,7 +374,7 @@ def test_plan_work_without_split_places_whole_layers_largest_first():
     ],
 )
 def test_row_separable_specs(kwargs, separable, why):
-    spec = build_spec(SPARSESWAPS_SPEC, **kwargs)
+    spec = build_spec(REFIT, **kwargs)
     assert spec.row_separable is separable
     assert (spec.row_obstacle is None) if why is None else (why in spec.row_obstacle)
 
@@ -385,11 +388,9 @@ def test_row_shards_option_is_checked():
 
 
 ROW_SPECS = {
-    "row": build_spec(SPARSESWAPS_SPEC, max_iters=2),  # the default: 60% per row, Wanda, swaps, LS re-fit
-    "nm": build_spec(
-        SPARSESWAPS_SPEC, nm=(2, 4), max_iters=2, guard=True
-    ),  # N:M, with the held-out guard (updated_rows)
-    "layer": build_spec(SPARSESWAPS_SPEC, scope="layer", max_iters=2),  # per-layer budget: not separable, whole layers
+    "row": build_spec(REFIT, max_iters=2),  # the default: 60% per row, Wanda, swaps, LS re-fit
+    "nm": build_spec(REFIT, nm=(2, 4), max_iters=2, guard=True),  # N:M, with the held-out guard (updated_rows)
+    "layer": build_spec(REFIT, scope="layer", max_iters=2),  # per-layer budget: not separable, whole layers
 }
 
 
@@ -494,3 +495,95 @@ def test_init_from_env_limits_numba_to_the_torch_threads(monkeypatch):
             dist.destroy_process_group()
         torch.set_num_threads(torch_threads)
         numba.set_num_threads(numba_threads)
+
+
+# --- issue 47, item 6: a stalled rank fails the run within the collective timeout, naming the rank
+
+STALL_SCRIPT = """
+import json, os, signal, sys, time
+from sparseswaps_prune.llm.distributed import CollectiveTimeout, init_from_env
+stalled, out = int(sys.argv[1]), sys.argv[2]
+ranks = init_from_env("cpu", timeout=float(sys.argv[3]))
+ranks.broadcast("hello", src=0)  # both ranks are up: collective operation #1
+if ranks.rank == stalled:
+    os.kill(os.getpid(), signal.SIGSTOP)  # stopped, as by `kill -STOP`: never answers again
+start = time.monotonic()
+try:
+    ranks.barrier()
+    result = {"error": None}
+except CollectiveTimeout as err:
+    result = {"error": str(err), "timeout": isinstance(err, TimeoutError)}
+result["seconds"] = time.monotonic() - start
+with open(out, "w") as f:
+    json.dump(result, f)
+os._exit(0)
+"""
+
+
+@pytest.mark.parametrize("stalled", [1, 0])
+def test_a_stopped_rank_fails_the_other_within_the_collective_timeout(tmp_path, stalled):
+    """Two gloo ranks initialised as torchrun's (``init_from_env``, timeout 5 s); one is stopped (SIGSTOP) after the
+    first collective operation. The other fails in its next one within the timeout (before: gloo's 30 minutes), with
+    a ``CollectiveTimeout`` naming the stopped rank and ``--collective-timeout``. Rank 0 serves the rendezvous store
+    here, so when rank 0 is the one stopped rank 1 cannot read who arrived and says that rank 0 is likely stopped."""
+    import signal
+    import socket
+    import time
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    procs = []
+    for rank in range(2):
+        env = os.environ | {"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
+                            "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}  # fmt: skip
+        cmd = [sys.executable, "-c", STALL_SCRIPT, str(stalled), str(tmp_path / f"rank{rank}.json"), "5"]
+        procs.append(subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True))
+    waiting = procs[1 - stalled]
+    try:
+        deadline = time.monotonic() + 120  # imports included; the wait itself is checked below
+        while waiting.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert waiting.poll() == 0, waiting.stderr.read() if waiting.poll() is not None else "still waiting"
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGKILL)  # a stopped process dies on SIGKILL too
+            proc.wait(timeout=30)
+    result = json.loads((tmp_path / f"rank{1 - stalled}.json").read_text())
+    assert result["error"] is not None and result["timeout"]
+    assert 4.5 < result["seconds"] < 5 + 3 + 5  # the timeout, plus at most the store's bounded read (3 s)
+    message = result["error"]
+    assert message.startswith(f"rank {1 - stalled}: a barrier (collective operation #2) got no answer within the "
+                              "collective timeout of 5 s: ")  # fmt: skip
+    assert "raise --collective-timeout (collective_timeout, now 5 s)" in message and "\n" not in message
+    if stalled == 1:
+        assert "rank 1 did not reach it (rank 1 at #1)" in message
+    else:
+        assert "rank 0 is likely the one stopped" in message
+    assert not (tmp_path / f"rank{stalled}.json").exists()
+
+
+def test_collective_timeout_option_is_checked_and_reaches_the_process_group(monkeypatch, tmp_path):
+    from sparseswaps_prune import cli
+    from sparseswaps_prune.llm import distributed
+
+    with pytest.raises(ValueError, match=r"collective_timeout \(--collective-timeout\) must be in \(0, "):
+        JobConfig(distributed=True, collective_timeout=0).validate()
+    with pytest.raises(TypeError, match="collective_timeout"):
+        JobConfig(distributed=True, collective_timeout="5").validate()
+    with pytest.raises(ValueError, match=r"--collective-timeout\) bounds the waits .* drop --collective-timeout"):
+        JobConfig(collective_timeout=5).validate()
+    JobConfig(distributed=True, collective_timeout=5).validate()
+    assert JobConfig().collective_timeout == distributed.DEFAULT_COLLECTIVE_TIMEOUT == 600
+    seen = {}
+
+    def init(device, timeout):
+        seen["timeout"] = timeout
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(distributed, "init_from_env", init)
+    args = ["prune", "--distributed", "--collective-timeout", "7.5", "--eval", "none", "--out", str(tmp_path / "o")]
+    assert cli.main(args) == 2 and seen == {"timeout": 7.5}
+    with pytest.raises(ValueError, match="collective_timeout"):
+        distributed.check_collective_timeout(float("nan"))

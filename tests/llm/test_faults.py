@@ -197,7 +197,7 @@ def model_dir(tmp_path_factory, tiny_tokenizer):
 def prune_args(model_dir: Path, out: Path) -> list[str]:
     return ["prune", "--model", str(model_dir), "--calib", str(model_dir / "calib.txt"), "--eval",
             str(model_dir / "eval.txt"), "--nsamples", "2", "--seqlen", "16", "--holdout", "1", "--eval-windows", "1",
-            "--recipe", "sparseswaps", "--max-iters", "1", "--backend", BACKEND, "--quiet", "--out",
+            "--recipe", "sparseswaps-refit", "--max-iters", "1", "--backend", BACKEND, "--quiet", "--out",
             str(out)]  # fmt: skip
 
 
@@ -231,7 +231,8 @@ def job_reference(model_dir, tmp_path_factory):
     names = [str(Path(p).relative_to(out)) for p in written]
     state, staging = f"{STATE_DIR}/", f"{STAGING_DIR}/"
     assert names[0] == f"{state}dense.json" and names[-1] == "report.json"
-    assert len([n for n in names if n.startswith(state)]) == 1 + JOB_CHECKPOINT_WRITES
+    assert names[-2] == f"{state}{job.PUBLISHED}"  # the names publishing moves, recorded before it moves them
+    assert len([n for n in names if n.startswith(state)]) == 2 + JOB_CHECKPOINT_WRITES
     assert f"{staging}config_sparseswaps.json" in names
     return reference | {"dir": out}
 
@@ -269,26 +270,46 @@ def interrupt_state_removal(patch: pytest.MonkeyPatch) -> None:
     patch.setattr(job.shutil, "rmtree", rmtree)
 
 
+def interrupt_publishing(patch: pytest.MonkeyPatch) -> None:
+    """Stop the job after it has moved two of its staged files into ``--out`` (as a kill while publishing)."""
+    original, moved = os.replace, []
+
+    def replace(src, dst, *args, **kwargs):
+        if Path(src).parent.name == STAGING_DIR != Path(dst).parent.name:  # not an atomic write into staging
+            if len(moved) == 2:
+                raise Killed
+            moved.append(src)
+        return original(src, dst, *args, **kwargs)
+
+    patch.setattr(job.os, "replace", replace)
+
+
 @pytest.mark.parametrize(
     "fault",
-    ["after dense.json", "after config_sparseswaps.json", "during report.json", "save_pretrained", "state removal"],
-)
+    ["after dense.json", "after config_sparseswaps.json", "during report.json", "save_pretrained", "state removal",
+     "publishing"],
+)  # fmt: skip
 def test_job_interrupted_at_its_own_writes_resumes_bit_for_bit(model_dir, job_reference, tmp_path, capsys, fault):
     """Ctrl-C at the writes the job adds to the pipeline's (the dense perplexity, the outputs in a staging
-    directory, ``report.json``, removing the checkpoint): exit 130 with one line, then the same command finishes
-    with the uninterrupted run's output."""
+    directory, ``report.json``, removing the checkpoint, moving the staged files into ``--out``): exit 130 with one
+    line, then the same command finishes with the uninterrupted run's output (files a stopped publish moved are
+    recognised as the run's own, so no ``--overwrite`` is needed)."""
     out = tmp_path / "out"
     with pytest.MonkeyPatch.context() as patch:
         if fault == "save_pretrained":
             interrupt_save_pretrained(patch, Killed())
         elif fault == "state removal":
             interrupt_state_removal(patch)
+        elif fault == "publishing":  # issue 47: the published files are the run's own, not another model's
+            interrupt_publishing(patch)
         else:
             when, name = fault.split()
             written = kill_at_write(patch, 1, when, name)
         assert main(prune_args(model_dir, out)) == 130
     if fault.startswith(("during", "after")):
         assert Path(written[-1]).name == name
+    if fault == "publishing":
+        assert len([p for p in out.iterdir() if not p.name.startswith(".")]) == 2
     one_line_error(capsys, "interrupted (re-run the same command to resume)")
     assert main(prune_args(model_dir, out)) == 0
     assert_same_output(out, job_reference, fault)
@@ -424,3 +445,92 @@ def test_read_only_out_with_the_finished_run_needs_no_write(model_dir, job_refer
         assert main(prune_args(model_dir, out)) == 0
     assert snapshot(out) == before
     assert_same_output(out, job_reference, "finished run, read-only")
+
+
+# ---------------------------------------------------------------- issue 47, item 7: the checkpoint's integrity
+
+
+@pytest.fixture(scope="module")
+def interrupted_job(model_dir, tmp_path_factory):
+    """``--out`` of a run stopped while writing block 1's inputs: block 0 committed, with the dense perplexity."""
+    out = tmp_path_factory.mktemp("interrupted_job") / "out"
+    with pytest.MonkeyPatch.context() as patch:
+        kill_at_write(patch, 1, "during", "inputs_fit_0002.pt")
+        assert main(prune_args(model_dir, out)) == 130
+    marker = json.loads((out / STATE_DIR / "progress.json").read_text())
+    assert marker["next_block"] == 1 and "dense.json" in marker["measurements"]
+    return out
+
+
+@pytest.fixture
+def stopped_out(interrupted_job, tmp_path):
+    shutil.copytree(interrupted_job, tmp_path / "out", symlinks=True)
+    return tmp_path / "out"
+
+
+def forge(state: Path, change) -> None:
+    marker = json.loads((state / "progress.json").read_text())
+    change(marker)
+    (state / "progress.json").write_text(json.dumps(marker))
+
+
+@pytest.mark.parametrize("fault", ["flipped byte", "planted pickle", "path outside"])
+def test_an_altered_checkpoint_is_refused_in_one_line_and_a_fresh_start_finishes(
+    model_dir, job_reference, stopped_out, capsys, fault
+):
+    """One flipped byte in a saved tensor file resumed to another model with exit 0; a planted pickle (even with
+    its hash forged into the marker) was an ``UnpicklingError`` traceback, exit 1; a marker naming a file outside
+    the state directory was read. Now each is one line naming the file and how to start over, exit 2, before any
+    block runs; deleting the state directory, as it says, then gives the uninterrupted run's output."""
+    import pickle
+
+    state = stopped_out / STATE_DIR
+    target = state / "inputs_fit_0001.pt"
+    if fault == "flipped byte":
+        data = bytearray(target.read_bytes())
+        data[len(data) // 2] ^= 0x10
+        target.write_bytes(bytes(data))
+        needles = ["inputs_fit_0001.pt differs from the file that was committed", "sha256"]
+    elif fault == "planted pickle":
+        target.write_bytes(pickle.dumps(print, protocol=2))  # weights_only=True refuses it: nothing runs
+        forge(state, lambda m: m["hashes"].update({target.name: checkpoint.file_digest(target)}))
+        needles = ["inputs_fit_0001.pt cannot be loaded (UnpicklingError: "]
+    else:
+        shutil.copy(target, stopped_out.parent / target.name)
+        forge(state, lambda m: m["inputs"].update({"fit": f"../../{target.name}"}))
+        needles = [f"names '../../{target.name}' as an inputs file, which is not a file of its own directory"]
+    capsys.readouterr()
+    with pytest.MonkeyPatch.context() as patch:
+        kill_at_call(patch, pipeline, "_process_block", 1)  # a block that ran would raise Killed (exit 130)
+        assert main(prune_args(model_dir, stopped_out)) == 2
+    one_line_error(capsys, *needles, f"delete {state}")
+    shutil.rmtree(state)
+    assert main(prune_args(model_dir, stopped_out)) == 0
+    assert_same_output(stopped_out, job_reference, fault)
+
+
+def test_a_planted_dense_perplexity_is_measured_again(model_dir, job_reference, stopped_out):
+    """``dense.json`` with its key kept and another perplexity was reported as measured; now its hash is checked
+    against the one the committed marker records, so the planted value is measured again (and the output is the
+    uninterrupted run's)."""
+    path = stopped_out / STATE_DIR / "dense.json"
+    planted = json.loads(path.read_text()) | {"perplexity": 1.2345}
+    path.write_text(json.dumps(planted))
+    assert main(prune_args(model_dir, stopped_out)) == 0
+    report = json.loads((stopped_out / "report.json").read_text())
+    assert report["perplexity"]["dense"] == job_reference["perplexity"]["dense"] != 1.2345
+    assert_same_output(stopped_out, job_reference, "planted dense.json")
+
+
+def test_an_untouched_dense_perplexity_is_reused(model_dir, job_reference, stopped_out, monkeypatch):
+    """The same file, as committed: reused (the dense model is not evaluated again)."""
+    calls = []
+    original = job._dense_perplexity
+
+    def spy(path, key, ppl):
+        return original(path, key, lambda: calls.append(1) or ppl())
+
+    monkeypatch.setattr(job, "_dense_perplexity", spy)
+    assert main(prune_args(model_dir, stopped_out)) == 0
+    assert calls == []
+    assert_same_output(stopped_out, job_reference, "dense.json reused")

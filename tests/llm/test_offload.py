@@ -17,15 +17,17 @@ from accelerate.utils import OffloadedWeightsLoader
 from accelerate.utils.modeling import get_state_dict_offloaded_model
 from transformers import AutoModelForCausalLM
 
-from sparseswaps_prune.core.spec import SPARSESWAPS_SPEC, build_spec
+from sparseswaps_prune.core.spec import build_spec
 from sparseswaps_prune.llm.models import tiny_model
 from sparseswaps_prune.llm.offload import is_offloaded, onloaded
 from sparseswaps_prune.llm.pipeline import PruneOptions, PruneResult, finalize, prune_model
 from sparseswaps_prune.modules import PrunableLayer
+from sparseswaps_prune.recipes import RECIPES
 
 pytestmark = pytest.mark.filterwarnings("ignore:Attempting to save a model with offloaded modules:UserWarning")
 
-OPTIONS = PruneOptions(spec=build_spec(SPARSESWAPS_SPEC, max_iters=5))
+REFIT = RECIPES["sparseswaps-refit"].spec  # Wanda -> SparseSwaps T=10 -> least-squares re-fit
+OPTIONS = PruneOptions(spec=build_spec(REFIT, max_iters=5))
 CALIB = torch.randint(3, 3000, (4, 32), generator=torch.Generator().manual_seed(0))
 PROBE = torch.randint(3, 3000, (2, 16), generator=torch.Generator().manual_seed(1))
 # Embeddings, block 0 and the LM head on disk, block 1 in memory: the capture runs the offloaded embeddings and block 0,

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM
 
-from sparseswaps_prune.core.spec import SPARSESWAPS_SPEC, DSnoTRefine, PruneSpec, build_spec
+from sparseswaps_prune.core.spec import DSnoTRefine, PruneSpec, build_spec
 from sparseswaps_prune.llm import pipeline
 from sparseswaps_prune.llm.job import JobConfig, run_job, summary
 from sparseswaps_prune.llm.models import TINY_ARCHS, tiny_model
@@ -23,12 +23,15 @@ from sparseswaps_prune.llm.pipeline import (
     prune_model,
 )
 from sparseswaps_prune.modules import PrunableLayer
+from sparseswaps_prune.recipes import RECIPES
 from tests.llm.helpers import crash_on_call
+
+REFIT = RECIPES["sparseswaps-refit"].spec  # Wanda -> SparseSwaps T=10 -> least-squares re-fit
 
 
 def opts(include=None, exclude=None, **spec_options) -> PruneOptions:
     """Pipeline options with the default spec changed by ``spec_options`` (``build_spec``'s names)."""
-    return PruneOptions(spec=build_spec(SPARSESWAPS_SPEC, **spec_options), include=include, exclude=exclude)
+    return PruneOptions(spec=build_spec(REFIT, **spec_options), include=include, exclude=exclude)
 
 
 def calib(n: int = 4, seqlen: int = 24, seed: int = 0) -> torch.Tensor:
@@ -165,7 +168,7 @@ def test_refit_and_holdout_losses(arch):
 def test_baselines_through_the_pipeline(setting):
     model = tiny_model("llama")
     setting = dict(setting)
-    spec = build_spec(SPARSESWAPS_SPEC, **{k: v for k, v in setting.items() if k != "dsnot_skip"})
+    spec = build_spec(REFIT, **{k: v for k, v in setting.items() if k != "dsnot_skip"})
     if "dsnot_skip" in setting:
         spec = PruneSpec(budget=spec.budget, start=spec.start, refine=DSnoTRefine(skip=None), weights=spec.weights)
     result = prune_model(model, calib(), PruneOptions(spec=spec), progress=False)
@@ -196,7 +199,7 @@ def test_holdout_guard_keeps_only_rows_whose_refit_generalises():
     assert all(r.holdout_final <= r.holdout_refined * (1 + 1e-9) for r in result.layers)
     assert any(r.updated_rows < 1 for r in result.layers) and all(0 <= r.updated_rows <= 1 for r in result.layers)
     with pytest.raises(ValueError, match="guard is an option of a weight update"):
-        build_spec(SPARSESWAPS_SPEC, weights="keep", guard=True)
+        build_spec(REFIT, weights="keep", guard=True)
 
 
 def test_layer_without_calibration_tokens_is_named():

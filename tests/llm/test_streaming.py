@@ -15,7 +15,7 @@ import torch
 import torch.multiprocessing as mp
 from transformers import AutoModelForCausalLM
 
-from sparseswaps_prune.core.spec import SPARSESWAPS_SPEC, build_spec
+from sparseswaps_prune.core.spec import build_spec
 from sparseswaps_prune.llm import pipeline, streaming
 from sparseswaps_prune.llm.checkpoint import CheckpointMismatch
 from sparseswaps_prune.llm.distributed import plan_work
@@ -23,9 +23,12 @@ from sparseswaps_prune.llm.models import tiny_model
 from sparseswaps_prune.llm.pipeline import PruneOptions, finalize, prune_model
 from sparseswaps_prune.llm.streaming import ShardedWriter, prune_checkpoint
 from sparseswaps_prune.modules import PrunableLayer
+from sparseswaps_prune.recipes import RECIPES
 from tests.llm.helpers import saved_tensors
 
 SHARD = "1MB"  # the tiny models' embeddings (12.6 MB) get shards of their own, the blocks share one
+
+REFIT = RECIPES["sparseswaps-refit"].spec  # Wanda -> SparseSwaps T=10 -> least-squares re-fit
 
 
 def calib(n: int = 2, seqlen: int = 12, seed: int = 0) -> torch.Tensor:
@@ -78,11 +81,7 @@ def in_memory(source: Path, out: Path, options: PruneOptions, dtype: torch.dtype
 )
 def test_streaming_equals_in_memory_bit_for_bit(tmp_path, arch, weights, stored, dtype):
     source = save_source(tmp_path / "src", arch, stored)
-    spec = (
-        build_spec(SPARSESWAPS_SPEC, max_iters=1)
-        if weights is None
-        else build_spec(SPARSESWAPS_SPEC, max_iters=1, weights=weights)
-    )
+    spec = build_spec(REFIT, max_iters=1) if weights is None else build_spec(REFIT, max_iters=1, weights=weights)
     options = PruneOptions(spec=spec)
     held = calib(2, seed=1) if weights is None else None
     model, result = in_memory(source, tmp_path / "mem", options, dtype, holdout_tokens=held)
@@ -127,7 +126,7 @@ def test_one_block_in_memory_at_a_time_and_report(tmp_path, monkeypatch):
 
     monkeypatch.setattr(streaming, "_skeleton", skeleton)
     monkeypatch.setattr(pipeline, "_process_block", spy)
-    options = PruneOptions(spec=build_spec(SPARSESWAPS_SPEC, max_iters=1, weights="keep"))
+    options = PruneOptions(spec=build_spec(REFIT, max_iters=1, weights="keep"))
     result = prune_checkpoint(source, tmp_path / "out", calib(), options, max_shard_size=SHARD, progress=False)
     assert [s[0] for s in seen] == [0, 1, 2]
     for index, loaded, head_device, embeddings in seen:
@@ -156,7 +155,7 @@ def test_single_file_checkpoint_other_files_and_stale_shards(tmp_path):
     out.mkdir()
     (out / "model-00001-of-00009.safetensors").write_bytes(b"stale")  # an earlier save's shard
     (out / "notes.txt").write_text("kept")
-    options = PruneOptions(spec=build_spec(SPARSESWAPS_SPEC, max_iters=1, weights="keep"))
+    options = PruneOptions(spec=build_spec(REFIT, max_iters=1, weights="keep"))
     result = prune_checkpoint(source, out, calib(), options, progress=False)
     assert "model.safetensors.index.json" not in result.files
     assert sorted(os.listdir(out)) == sorted(
@@ -172,7 +171,7 @@ def test_single_file_checkpoint_other_files_and_stale_shards(tmp_path):
 
 def test_refusals_write_nothing(tmp_path):
     source = save_source(tmp_path / "src", "llama")
-    options = PruneOptions(spec=build_spec(SPARSESWAPS_SPEC, max_iters=1))
+    options = PruneOptions(spec=build_spec(REFIT, max_iters=1))
     with pytest.raises(ValueError, match="source directory"):
         prune_checkpoint(source, source, calib(), options, progress=False)
     with pytest.raises(ValueError, match="no linear layer"):
@@ -245,9 +244,7 @@ def _ranks_worker(rank: int, world_size: int, tmp: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=world_size)
     try:
-        options = PruneOptions(
-            spec=build_spec(SPARSESWAPS_SPEC, max_iters=1), block_tune_epochs=0
-        )  # as the one process it equals
+        options = PruneOptions(spec=build_spec(REFIT, max_iters=1), block_tune_epochs=0)  # as the one process it equals
         model = AutoModelForCausalLM.from_pretrained(f"{tmp}/src").eval()
         result = prune_model(model, calib(), options, progress=False, holdout_tokens=calib(2, seed=1), distributed=True)
         finalize(model)
@@ -274,7 +271,7 @@ def test_two_gloo_ranks_equal_one_process(tmp_path):
     start costs seconds)."""
     source = save_source(tmp_path / "src", "llama", num_hidden_layers=3)
     # untuned: block tuning's backward passes round differently with another number of threads per process
-    options = PruneOptions(spec=build_spec(SPARSESWAPS_SPEC, max_iters=1), block_tune_epochs=0)
+    options = PruneOptions(spec=build_spec(REFIT, max_iters=1), block_tune_epochs=0)
     model, result = in_memory(source, tmp_path / "one", options, torch.float32, holdout_tokens=calib(2, seed=1))
     mp.spawn(_ranks_worker, args=(2, str(tmp_path)), nprocs=2, join=True)
     expected = model.state_dict()
@@ -302,7 +299,7 @@ def test_two_gloo_ranks_equal_one_process(tmp_path):
 
 N_BLOCKS = 4
 RESUME_OPTIONS = PruneOptions(
-    spec=build_spec(SPARSESWAPS_SPEC, max_iters=1), block_tune_epochs=0
+    spec=build_spec(REFIT, max_iters=1), block_tune_epochs=0
 )  # untuned: the call counts are those of the pruned streams
 
 
@@ -402,7 +399,7 @@ def test_interrupted_close_resumes(resume_case, interrupted_run, monkeypatch):
     ("change", "match"),
     [
         (
-            {"options": PruneOptions(spec=build_spec(SPARSESWAPS_SPEC, max_iters=2), block_tune_epochs=0)},
+            {"options": PruneOptions(spec=build_spec(REFIT, max_iters=2), block_tune_epochs=0)},
             r"other options: spec\.refine\.max_iters 1 -> 2",
         ),
         ({"holdout_tokens": calib(2, seed=2)}, "other holdout windows"),
@@ -434,6 +431,33 @@ def test_resume_of_another_model_or_missing_shards_is_refused(interrupted_run, t
     assert (files_of(out), files_of(state)) == before
 
 
+@pytest.mark.parametrize("fault", ["inputs_fit_0002.pt", "block_0001.pt", "outside", "older"])
+def test_resume_of_an_altered_checkpoint_is_refused_before_writing(interrupted_run, fault):
+    """Issue 47: the block-wise path's checkpoint carries the same hashes (``commit_block``): one flipped byte in its
+    inputs or in a block file, a marker naming a file outside the directory, or a marker of the previous format
+    (no hashes) stops the resume, naming the file, before anything is written."""
+    source, out, state = interrupted_run
+    marker = json.loads((state / "progress.json").read_text())
+    assert set(marker["hashes"]) == {"block_0000.pt", "block_0001.pt", "inputs_fit_0002.pt", "inputs_holdout_0002.pt"}
+    if fault == "outside":
+        marker["blocks"][1] = "/etc/hostname"
+        match = "names '/etc/hostname' as a block file, which is not a file of its own directory"
+    elif fault == "older":
+        marker = {k: v for k, v in marker.items() if k != "hashes"} | {"format": 2}
+        match = r"older version \(its files carry no content hashes\)"
+    else:
+        data = bytearray((state / fault).read_bytes())
+        data[-100] ^= 0xFF
+        (state / fault).write_bytes(bytes(data))
+        match = rf"{fault} differs from the file that was committed"
+    (state / "progress.json").write_text(json.dumps(marker))
+    before = files_of(out), files_of(state)
+    with pytest.raises(CheckpointMismatch, match=match) as err:
+        stream(source, out, state)
+    assert f"delete {state}" in str(err.value)
+    assert (files_of(out), files_of(state)) == before  # nothing touched
+
+
 def _interrupt_and_resume(rank: int, tmp: Path) -> None:
     """On every rank: a streamed call with a checkpoint stops while pruning block 2, then the same call resumes."""
     import torch.distributed as dist
@@ -455,7 +479,7 @@ def _interrupt_and_resume(rank: int, tmp: Path) -> None:
 
 # One layer in each of blocks 0 and 1 (the stream still reads, forwards and writes all 30 blocks).
 GGUF_OPTIONS = PruneOptions(
-    spec=build_spec(SPARSESWAPS_SPEC, max_iters=1, weights="keep"),
+    spec=build_spec(REFIT, max_iters=1, weights="keep"),
     include=["model.layers.0.self_attn.q_proj", "model.layers.1.self_attn.o_proj"],
 )
 
