@@ -3,6 +3,7 @@
 sparseswaps prune [--model NAME_OR_PATH] [--sparsity 0.6 | --nm 2:4] [--max-iters T] ... --out DIR
 sparseswaps eval --model DIR [--ppl builtin|wikitext|c4|PATH] [--tasks paper|boolq,rte,...]
 sparseswaps report DIR
+sparseswaps bench DIR [--threads N] [--new-tokens 32] [--json-out FILE]
 sparseswaps demo
 """
 
@@ -178,6 +179,20 @@ def _report(args: argparse.Namespace) -> int:
     if not path.exists():
         raise FileNotFoundError(f"{path} does not exist: {args.dir} holds no finished run (run sparseswaps prune)")
     print(summary(json.loads(path.read_text())))
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from sparseswaps_prune.atomic import save_json
+    from sparseswaps_prune.deploy.bench import bench_model_dir
+
+    result = bench_model_dir(
+        args.dir, new_tokens=args.new_tokens, repeats=args.repeats, threads=args.threads,
+        min_sparsity=args.min_sparsity, memory=not args.no_memory,
+    )  # fmt: skip
+    if args.json_out:
+        save_json(result, args.json_out)
+    print(json.dumps(result, indent=2))
     return 0
 
 
@@ -402,6 +417,21 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("report", help="print the per-layer table and perplexities of a finished run")
     r.add_argument("dir")
     r.set_defaults(func=_report)
+
+    b = sub.add_parser(
+        "bench",
+        help="size on disk, resident memory and tokens/s of a saved pruned model, dense vs sparse (JSON)",
+        description="Compare a saved pruned model run dense and sparsified (sparseswaps_prune.deploy): weights on "
+        "disk, resident memory of a fresh process, greedy decoding tokens per second; prints JSON.",
+    )
+    b.add_argument("dir", help="the model directory (save_pretrained or deploy.save_sparse)")
+    b.add_argument("--new-tokens", type=int, default=32, help="tokens generated per run (default 32)")
+    b.add_argument("--repeats", type=int, default=3, help="timed runs per variant, median (default 3)")
+    b.add_argument("--threads", type=int, default=None, help="torch and numba threads (default: torch's)")
+    b.add_argument("--min-sparsity", type=float, default=0.3, help="least fraction of zeros to go sparse (0.3)")
+    b.add_argument("--no-memory", action="store_true", help="skip the resident-memory subprocesses")
+    b.add_argument("--json-out", default=None, help="also write the JSON to this file")
+    b.set_defaults(func=_bench)
 
     d = sub.add_parser("demo", help="refine the Wanda mask of a random layer and print the loss")
     d.add_argument("--d-out", type=int, default=256)

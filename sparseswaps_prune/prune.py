@@ -91,6 +91,12 @@ class SparseSwapsMethod(prune.BasePruningMethod):
             grams = [grams]
         self.grams = list(grams)
         self.tensors = list(tensors) if tensors is not None else None
+        for i, (module, name) in enumerate(self.tensors or []):
+            if isinstance(module, nn.Embedding):
+                raise TypeError(
+                    f"tensors[{i}] (Embedding.{name}): SparseSwaps prunes linear layers (y = W x, judged on the Gram "
+                    "of x); an embedding table has no input Gram: leave it out of the parameters to prune"
+                )
         self.shapes = [tuple(s) for s in shapes] if shapes is not None else None
         self.results: list[LayerOutcome] = []
         count = len(self.tensors or self.shapes or self.grams)

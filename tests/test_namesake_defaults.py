@@ -149,3 +149,16 @@ def test_the_callback_with_swap_options_and_no_spec(tmp_path):
         assert callback.stats[name].loss_refined < callback.stats[name].loss_start, name
     first = model.net[0].weight_mask.bool()
     assert float(row_losses(dense["net.0"], gram.gram, first).sum()) < wanda_loss(dense["net.0"], gram.gram, 0.5)
+
+
+def test_an_embedding_among_the_parameters_is_refused_before_anything_changes():
+    layer, gram = problem()
+    embedding = nn.Embedding(10, 24)
+    before = embedding.weight.detach().clone()
+    params = [(layer, "weight"), (embedding, "weight")]
+    with pytest.raises(TypeError, match=r"tensors\[1\] \(Embedding.weight\): SparseSwaps prunes linear layers"):
+        prune.global_unstructured(
+            params, pruning_method=SparseSwapsMethod, amount=0.5, tensors=params, grams=[gram, torch.eye(24)]
+        )
+    assert not prune.is_pruned(layer) and not prune.is_pruned(embedding)
+    assert torch.equal(embedding.weight, before)

@@ -39,3 +39,13 @@ def saved_tensors(directory: str | Path) -> dict[str, torch.Tensor]:
     """Every tensor of the safetensors checkpoint saved in ``directory`` (one file or sharded with an index)."""
     reader = SafetensorsCheckpoint(directory)
     return reader.read(reader.files)
+
+
+def one_line_error(capsys, *needles: str) -> str:
+    """The CLI's error: exactly one ``sparseswaps:`` line on stderr, no traceback, containing every needle."""
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("sparseswaps:")]
+    assert "Traceback" not in err and len(lines) == 1, err
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    return lines[0]

@@ -16,6 +16,7 @@ from sparseswaps_prune.core.checks import check_device
 from sparseswaps_prune.llm import models
 from sparseswaps_prune.llm.models import tiny_model
 from sparseswaps_prune.llm.pipeline import PruneOptions, check_layers, prune_model
+from tests.llm.helpers import one_line_error
 
 BAD_UTF8 = b"calibration text, then Latin-1: caf\xe9 na\xefve \xff\n"
 
@@ -46,16 +47,6 @@ def prune_args(model_dir, out, *flags: str) -> list[str]:
     return ["prune", "--model", str(model_dir), "--nsamples", "2", "--seqlen", "16", "--holdout", "1",
             "--eval-windows", "1", "--recipe", "sparseswaps", "--max-iters", "1", "--quiet", "--out", str(out),
             *flags]  # fmt: skip
-
-
-def one_line_error(capsys, *needles: str) -> str:
-    """The CLI's error: exactly one ``sparseswaps:`` line on stderr, no traceback, containing every needle."""
-    err = capsys.readouterr().err
-    lines = [line for line in err.splitlines() if line.startswith("sparseswaps:")]
-    assert "Traceback" not in err and len(lines) == 1, err
-    for needle in needles:
-        assert needle in lines[0], lines[0]
-    return lines[0]
 
 
 @pytest.fixture

@@ -33,6 +33,7 @@ from sparseswaps_prune.llm.data import builtin_text
 from sparseswaps_prune.llm.job import STAGING_DIR, STATE_DIR
 from sparseswaps_prune.llm.models import tiny_model
 from sparseswaps_prune.llm.pipeline import PruneOptions, finalize, prune_model
+from tests.llm.helpers import one_line_error
 
 SMALL = {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2, "num_key_value_heads": 1}
 N_BLOCKS = 2
@@ -235,15 +236,6 @@ def job_reference(model_dir, tmp_path_factory):
     assert len([n for n in names if n.startswith(state)]) == 2 + JOB_CHECKPOINT_WRITES
     assert f"{staging}config_sparseswaps.json" in names
     return reference | {"dir": out}
-
-
-def one_line_error(capsys, *needles: str) -> str:
-    err = capsys.readouterr().err
-    lines = [line for line in err.splitlines() if line.startswith("sparseswaps:")]
-    assert "Traceback" not in err and len(lines) == 1, err
-    for needle in needles:
-        assert needle in lines[0], lines[0]
-    return lines[0]
 
 
 def interrupt_save_pretrained(patch: pytest.MonkeyPatch, error: BaseException) -> None:

@@ -18,6 +18,7 @@ from sparseswaps_prune.llm import checkpoint, models, pipeline, streaming
 from sparseswaps_prune.llm.data import _random_windows, check_window_budget, load_calibration
 from sparseswaps_prune.llm.job import PUBLISHED, STAGING_DIR, STATE_DIR, JobConfig, check_out_target, run_job
 from sparseswaps_prune.llm.models import tiny_model
+from tests.llm.helpers import one_line_error
 
 SMALL = {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2, "num_key_value_heads": 1}
 
@@ -48,15 +49,6 @@ def args(model: Path, out: Path, *flags: str) -> list[str]:
 def snapshot(directory: Path) -> dict[str, bytes]:
     """Every file under ``directory`` (links followed) and its bytes."""
     return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
-
-
-def one_line_error(capsys, *needles: str) -> str:
-    err = capsys.readouterr().err
-    lines = [line for line in err.splitlines() if line.startswith("sparseswaps:")]
-    assert "Traceback" not in err and len(lines) == 1, err
-    for needle in needles:
-        assert needle in lines[0], lines[0]
-    return lines[0]
 
 
 @pytest.fixture

@@ -1,0 +1,304 @@
+"""Sparse deployment figures: layer speed, decoding speed, resident memory and checkpoint size, dense vs sparse.
+
+    python benchmarks/sparse_inference.py            # the figures in docs/deploy.md (about 5-10 minutes)
+    python benchmarks/sparse_inference.py --quick    # small shapes and a tiny model (seconds; for the tests)
+
+(a) One linear layer, ``d_out x d_in`` = 4096 x 14336 and 14336 x 4096, per-row magnitude pruning at 50/60/70%,
+    1, 2, 4, 8, 16 tokens, one thread (torch and numba): torch's dense ``nn.Linear``, :class:`SparseLinear`'s kernel
+    and torch CSR (``to_sparse_csr``; at 1, 4 and 16 tokens), in the same process, median wall time of ``--repeats``
+    runs, the three interleaved.
+(b) Greedy decoding (32 new tokens after an 8-token prompt) of the default model (SmolLM2-135M, float32) pruned at
+    60% and 70% with a per-row magnitude mask (every linear but the tied embedding / lm_head): tokens per second of
+    the model with zeros (dense) and sparsified, at 2 and 1 threads. The mask is not a good pruning (no
+    calibration): only its sparsity pattern matters for speed.
+(c) Resident memory of the same models, dense and sparsified: tensor bytes, and the resident set of a fresh process
+    that loads the model (``/proc/self/status``, Linux).
+(d) Checkpoint size on disk: ``save_pretrained`` against ``save_sparse``, float32 and bfloat16.
+
+Each section prints a table; the first line names the machine and its load (other processes share the CPUs).
+Idle OpenMP threads of torch and numba spin by default and slow each other down; like the test suite, the script
+sets ``OMP_WAIT_POLICY=passive`` unless it is already set.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "passive")  # before torch and numba start their thread pools
+
+import argparse
+import statistics
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+import numba
+import torch
+from torch import nn
+
+from sparseswaps_prune.deploy import SparseLinear, load_sparse, save_sparse, sparsify
+from sparseswaps_prune.deploy.bench import decode_speeds, dir_bytes, machine_line, resident_memory, tensor_bytes
+from sparseswaps_prune.deploy.kernels import default_kernel
+from sparseswaps_prune.modules import find_layers
+
+FULL = {
+    "shapes": [(4096, 14336), (14336, 4096)],
+    "sparsities": [0.5, 0.6, 0.7],
+    "batches": [1, 2, 4, 8, 16],
+    "csr_batches": [1, 4, 16],
+    "model_sparsities": [0.6, 0.7],
+    "threads": [2, 1],
+    "new_tokens": 32,
+}
+QUICK = {
+    "shapes": [(256, 512)],
+    "sparsities": [0.7],
+    "batches": [1, 4],
+    "csr_batches": [1],
+    "model_sparsities": [0.6],
+    "threads": [1],
+    "new_tokens": 8,
+}
+PROMPT = "The capital of France is Paris, and"
+
+
+def set_threads(n: int) -> None:
+    """Use ``n`` threads in torch and numba."""
+    torch.set_num_threads(n)
+    numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
+
+
+def magnitude_prune_(weight: torch.Tensor, sparsity: float) -> None:
+    """Zero the ``sparsity`` fraction of smallest-magnitude entries of every row of ``weight`` (``+0.0``), in place
+    (ties at the threshold are pruned too)."""
+    k = int(weight.shape[1] * sparsity)
+    if k == 0:
+        return
+    magnitude = weight.abs().float()
+    threshold = magnitude.kthvalue(k, dim=1, keepdim=True).values
+    weight.masked_fill_(magnitude <= threshold, 0.0)
+
+
+def bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same dtype, shape and bytes."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
+
+
+def median_seconds(fns: list[Callable[[], object]], repeats: int) -> list[float]:
+    """Median wall time of ``repeats`` calls of each of ``fns`` after one warm-up call each; the calls are
+    interleaved (``f0, f1, f2, f0, ...``) so that a change in the machine's load hits them alike."""
+    times: list[list[float]] = [[] for _ in fns]
+    for fn in fns:
+        fn()
+    for _ in range(repeats):
+        for fn, spent in zip(fns, times, strict=True):
+            start = time.perf_counter()
+            fn()
+            spent.append(time.perf_counter() - start)
+    return [statistics.median(spent) for spent in times]
+
+
+def layer_table(shapes, sparsities, batches, repeats: int, csr_batches) -> list[dict]:
+    """Section (a): ms per call of dense / SparseLinear kernel / torch CSR (at ``csr_batches``); one thread."""
+    set_threads(1)
+    rows = []
+    gen = torch.Generator().manual_seed(0)
+    for d_out, d_in in shapes:
+        base = torch.randn(d_out, d_in, generator=gen)
+        for sparsity in sparsities:
+            weight = base.clone()
+            magnitude_prune_(weight, sparsity)
+            dense = nn.Linear(d_in, d_out, bias=False)
+            dense.weight.data = weight
+            sparse = SparseLinear.from_dense(weight, crossover=max(batches))
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)  # "Sparse CSR tensor support is in beta state"
+                csr = weight.to_sparse_csr()
+            for batch in batches:
+                x = torch.randn(batch, d_in, generator=gen)
+                with torch.inference_mode():
+                    fns = [lambda: dense(x), lambda: sparse(x)]  # noqa: B023
+                    if batch in csr_batches:
+                        fns.append(lambda: torch.mm(csr, x.t()))  # noqa: B023
+                    t_dense, t_sparse, *t_csr = median_seconds(fns, repeats)
+                    t_csr = t_csr[0] if t_csr else None
+                    err = (sparse(x) - dense(x)).abs().max().item() / dense(x).abs().max().item()
+                rows.append(
+                    {
+                        "shape": f"{d_out}x{d_in}",
+                        "sparsity": sparsity,
+                        "batch": batch,
+                        "dense_ms": t_dense * 1e3,
+                        "sparse_ms": t_sparse * 1e3,
+                        "csr_ms": None if t_csr is None else t_csr * 1e3,
+                        "rel_err": err,
+                    }
+                )
+    return rows
+
+
+def print_layer_table(rows: list[dict]) -> None:
+    print("\n(a) one layer, 1 thread, float32, median ms per call (speedup = dense / other)")
+    print(
+        f"{'shape':>11} {'sparsity':>8} {'batch':>5} {'dense':>8} {'sparse':>8} {'speedup':>7} {'csr':>8} "
+        f"{'csr x':>6} {'rel err':>8}"
+    )
+    for r in rows:
+        print(
+            f"{r['shape']:>11} {r['sparsity']:>8.0%} {r['batch']:>5} {r['dense_ms']:>8.2f} {r['sparse_ms']:>8.2f} "
+            f"{r['dense_ms'] / r['sparse_ms']:>7.2f} "
+            + (f"{r['csr_ms']:>8.2f} {r['dense_ms'] / r['csr_ms']:>6.2f} " if r["csr_ms"] else f"{'-':>8} {'-':>6} ")
+            + f"{r['rel_err']:>8.1e}"
+        )
+    crossover = {}
+    for r in rows:
+        if r["sparse_ms"] < r["dense_ms"]:
+            key = (r["shape"], r["sparsity"])
+            crossover[key] = max(crossover.get(key, 0), r["batch"])
+    print("largest batch where the kernel beats dense:", {f"{s} {p:.0%}": b for (s, p), b in crossover.items()})
+
+
+def load_base_model(quick: bool):
+    """The default SmolLM2-135M (float32), or a tiny random llama with ``quick``; and a tokenizer or None."""
+    if quick:
+        from sparseswaps_prune.llm.models import tiny_model
+
+        return tiny_model("llama", seed=0), None
+    from sparseswaps_prune.llm.models import load_model
+
+    return load_model()
+
+
+def prune_model_(model: nn.Module, sparsity: float) -> int:
+    """Per-row magnitude pruning of every linear layer not tied to another module; returns how many."""
+    tied = {id(model.get_input_embeddings().weight)}
+    count = 0
+    with torch.no_grad():
+        for layer in find_layers(model, prefix=""):
+            if id(layer.module.weight) in tied:
+                continue
+            magnitude_prune_(layer.weight_2d(), sparsity)
+            count += 1
+    return count
+
+
+def model_sections(quick: bool, config: dict, repeats: int) -> None:
+    """Sections (b), (c), (d) on the default (or tiny) model."""
+    start = time.perf_counter()
+    base, tokenizer = load_base_model(quick)
+    print(f"\nmodel loaded in {time.perf_counter() - start:.1f} s ({type(base).__name__})")
+    if tokenizer is not None:
+        ids = tokenizer(PROMPT, return_tensors="pt").input_ids[:, :8]
+    else:
+        ids = torch.tensor([[1, 504, 3458, 282, 4649, 314, 253, 1545]])
+    state = {k: v.clone() for k, v in base.state_dict().items()}
+    decode_rows, memory_rows, disk_rows = [], [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        for sparsity in config["model_sparsities"]:
+            base.load_state_dict(state)
+            pruned = prune_model_(base, sparsity)
+            # (d) checkpoint size, float32 and bfloat16
+            for dtype in (torch.float32, torch.bfloat16):
+                model = base.to(dtype)
+                dense_dir, sparse_dir = Path(tmp) / f"dense-{dtype}", Path(tmp) / f"sparse-{dtype}"
+                model.save_pretrained(dense_dir)
+                report = save_sparse(model, sparse_dir, tokenizer=tokenizer)
+                back = load_sparse(sparse_dir)
+                same = all(bit_equal(v, back.state_dict()[k]) for k, v in model.state_dict().items())
+                d_bytes, s_bytes = dir_bytes(dense_dir, "*.safetensors"), dir_bytes(sparse_dir, "*.safetensors")
+                disk_rows.append(
+                    (sparsity, str(dtype).removeprefix("torch."), d_bytes, s_bytes, same, len(report.encoded))
+                )
+                base.to(torch.float32)
+            # (c) memory: tensor bytes here, resident set in fresh processes
+            dense_tensor = tensor_bytes(base)
+            sparse_model = load_sparse(Path(tmp) / "sparse-torch.float32", sparse=True)
+            sparse_tensor = tensor_bytes(sparse_model)
+            del sparse_model
+            rss = {}
+            if not quick and Path("/proc/self/status").exists():
+                for variant in ("dense", "sparse"):
+                    rss[variant] = resident_memory(Path(tmp) / "sparse-torch.float32", sparse=variant == "sparse")
+            memory_rows.append((sparsity, dense_tensor, sparse_tensor, rss))
+            # (b) decoding speed: the dense model with zeros and the sparse one, runs interleaved
+            dense_model = load_sparse(Path(tmp) / "sparse-torch.float32")
+            sparse_model, report = sparsify(load_sparse(Path(tmp) / "sparse-torch.float32"))
+            for threads in config["threads"]:
+                set_threads(threads)
+                speeds = decode_speeds(
+                    {"dense": dense_model, "sparse": sparse_model}, ids, config["new_tokens"], repeats
+                )
+                (dense_tps, dense_ids), (sparse_tps, sparse_ids) = speeds["dense"], speeds["sparse"]
+                same = bool(torch.equal(dense_ids, sparse_ids))
+                decode_rows.append((sparsity, threads, pruned, len(report.converted), dense_tps, sparse_tps, same))
+            del dense_model, sparse_model
+    print(
+        f"\n(b) greedy decoding, {config['new_tokens']} new tokens after {ids.shape[1]} prompt tokens, float32, "
+        f"median of {repeats} timed runs, dense and sparse interleaved"
+    )
+    print(
+        f"{'sparsity':>8} {'threads':>7} {'layers':>6} {'dense tok/s':>11} {'sparse tok/s':>12} {'speedup':>7} "
+        f"{'same tokens':>11}"
+    )
+    for sparsity, threads, _pruned, converted, dense_tps, sparse_tps, same in decode_rows:
+        print(
+            f"{sparsity:>8.0%} {threads:>7} {converted:>6} {dense_tps:>11.1f} {sparse_tps:>12.1f} "
+            f"{sparse_tps / dense_tps:>7.2f} {'yes' if same else 'NO':>11}"
+        )
+    print(
+        "\n(c) memory of the model, float32: tensor bytes, and the growth of the resident set (VmRSS) and of its"
+        "\n    anonymous part (RssAnon) in a fresh process that loads the sparse checkpoint densely (load_sparse) or"
+        "\n    sparse (load_sparse(sparse=True)) and runs one forward pass; MB"
+    )
+    print(
+        f"{'sparsity':>8} {'dense':>7} {'sparse':>7} {'ratio':>6} {'RSS d':>7} {'RSS s':>7} {'ratio':>6} "
+        f"{'anon d':>7} {'anon s':>7} {'ratio':>6}"
+    )
+    for sparsity, dense_t, sparse_t, rss in memory_rows:
+        line = f"{sparsity:>8.0%} {dense_t / 2**20:>7.1f} {sparse_t / 2**20:>7.1f} {sparse_t / dense_t:>6.2f}"
+        for key in ("rss_model", "anon_model"):
+            d, s_ = (rss[v][key] if v in rss else None for v in ("dense", "sparse"))
+            line += (
+                f" {d / 2**20:>7.1f} {s_ / 2**20:>7.1f} {s_ / d:>6.2f}"
+                if d and s_ is not None
+                else " " + " ".join(f"{'-':>7}" for _ in range(2)) + f" {'-':>6}"
+            )
+        print(line)
+    print("\n(d) checkpoint size on disk (weights files): save_pretrained vs save_sparse")
+    print(
+        f"{'sparsity':>8} {'dtype':>8} {'dense MB':>9} {'sparse MB':>9} {'ratio':>6} {'encoded':>7} {'round trip':>10}"
+    )
+    for sparsity, dtype, d_bytes, s_bytes, same, encoded in disk_rows:
+        print(
+            f"{sparsity:>8.0%} {dtype:>8} {d_bytes / 2**20:>9.1f} {s_bytes / 2**20:>9.1f} "
+            f"{s_bytes / d_bytes:>6.3f} {encoded:>7} {'bit-exact' if same else 'DIFFERS':>10}"
+        )
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="small shapes, a tiny model, few repeats (seconds)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed runs per figure (default 3, --quick 2)")
+    parser.add_argument("--skip-layers", action="store_true", help="skip section (a)")
+    parser.add_argument("--skip-model", action="store_true", help="skip sections (b), (c), (d)")
+    args = parser.parse_args(argv)
+    config = QUICK if args.quick else FULL
+    repeats = args.repeats or (2 if args.quick else 3)
+    start = time.perf_counter()
+    set_threads(1)
+    print("machine:", machine_line())
+    print("kernel:", default_kernel())
+    if not args.skip_layers:
+        rows = layer_table(config["shapes"], config["sparsities"], config["batches"], repeats, config["csr_batches"])
+        print_layer_table(rows)
+    if not args.skip_model:
+        model_sections(args.quick, config, 1 if args.quick else 3)
+    print(f"\ntotal {time.perf_counter() - start:.0f} s; load average now {os.getloadavg()[0]:.2f}")
+
+
+if __name__ == "__main__":
+    main()

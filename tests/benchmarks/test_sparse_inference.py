@@ -1,0 +1,31 @@
+"""benchmarks/sparse_inference.py --quick: every section runs and prints its table (small shapes, a tiny model)."""
+
+from __future__ import annotations
+
+
+def test_quick_run_prints_every_section(benchmark_script, capsys):
+    script = benchmark_script("sparse_inference")
+    script.main(["--quick"])
+    out = capsys.readouterr().out
+    assert out.startswith("machine: ") and "torch " in out and "threads" in out
+    for title in ("(a) one layer", "(b) greedy decoding", "(c) memory", "(d) checkpoint size"):
+        assert title in out
+    layer = [line.split() for line in out.split("(a) one layer")[1].splitlines() if "256x512" in line]
+    assert [row[2] for row in layer] == ["1", "4"]
+    assert layer[0][6] != "-" and layer[1][6:8] == ["-", "-"]  # torch CSR timed at batch 1 only in --quick
+    assert all(float(row[-1]) < 1e-5 for row in layer)  # relative error of the kernel
+    decode = out.split("(b) greedy decoding")[1].split("(c)")[0]
+    assert decode.strip().splitlines()[-1].split()[-1] == "yes"  # same tokens dense and sparse
+    disk = out.split("(d) checkpoint size")[1].splitlines()
+    rows = [line.split() for line in disk if line.strip().startswith("60%")]
+    assert [row[1] for row in rows] == ["float32", "bfloat16"]
+    assert all(row[-1] == "bit-exact" and float(row[4]) < 1.0 for row in rows)
+
+
+def test_magnitude_pruning_helper(benchmark_script):
+    import torch
+
+    script = benchmark_script("sparse_inference")
+    weight = torch.tensor([[1.0, -4.0, 0.5, 3.0, -2.0], [5.0, 1.0, -1.5, 0.1, 2.0]])
+    script.magnitude_prune_(weight, 0.6)
+    assert weight.tolist() == [[0.0, -4.0, 0.0, 3.0, 0.0], [5.0, 0.0, 0.0, 0.0, 2.0]]
