@@ -86,7 +86,7 @@ _PROFILE_FIELDS = ("sparsity_profile", "owl_m", "owl_lambda")
 _TUNE_FIELDS = ("block_tune_epochs", "block_tune_lr", "block_tune_schedule")
 _JOB_FIELDS = (
     "model", "gguf_file", "calib", "nsamples", "seqlen", "holdout", "eval", "eval_windows", "device", "dtype", "seed",
-    "batch_size", "blockwise", "distributed", "collective_timeout",
+    "batch_size", "blockwise", "distributed", "collective_timeout", "save_format",
 )  # fmt: skip
 
 
@@ -135,7 +135,9 @@ def _print_report(report: dict, args: argparse.Namespace) -> None:
         )
     else:
         print(summary(report))
-        print(f"saved to {args.out} (load with AutoModelForCausalLM.from_pretrained({str(args.out)!r}))")
+        sparse = report["config"].get("save_format") == "sparse"
+        loader = "sparseswaps_prune.deploy.load_sparse" if sparse else "AutoModelForCausalLM.from_pretrained"
+        print(f"saved to {args.out} (load with {loader}({str(args.out)!r}))")
 
 
 def _eval(args: argparse.Namespace) -> int:
@@ -376,6 +378,11 @@ def _add_prune_options(p: argparse.ArgumentParser) -> None:
         "--overwrite", action="store_true",
         help="replace the model (or finished run) that --out holds: the run's files replace those of the same names "
         "and the old weight files go; other files stay (never the --model directory itself)",
+    )  # fmt: skip
+    run.add_argument(
+        "--save-format", choices=("dense", "sparse"),
+        help="dense: save_pretrained, zeros stored (default); sparse: a bitmask and the kept values per pruned linear, "
+        "about 0.45x the size at 60%% (load with sparseswaps_prune.deploy.load_sparse; not with --blockwise)",
     )  # fmt: skip
     run.add_argument("--quiet", action="store_true", help="no progress bars, one summary line")
     run.add_argument("--json-log", action="store_true", help="JSON log lines on stderr, JSON summary on stdout")

@@ -35,6 +35,7 @@ import torch
 from sparseswaps_prune.atomic import save_json
 from sparseswaps_prune.core.checks import check_device
 from sparseswaps_prune.core.spec import NoRefine
+from sparseswaps_prune.deploy import write_sparse_files
 from sparseswaps_prune.llm import checkpoint
 from sparseswaps_prune.llm.data import check_source, check_window_budget
 from sparseswaps_prune.llm.distributed import (
@@ -69,6 +70,7 @@ _PROBE_PREFIX = ".sparseswaps_probe_"
 # ``save_pretrained`` cleans a directory it saves over).
 _WEIGHT_FILES = re.compile(
     r"(model|pytorch_model)(-\d+-of-\d+)?\.(safetensors|bin)|(model\.safetensors|pytorch_model\.bin)\.index\.json"
+    r"|model\.sparse\.safetensors"
 )
 SEED_LIMIT = 2**64
 """Seeds are ints in ``[0, SEED_LIMIT)``: what ``torch.Generator.manual_seed`` takes (a negative seed aliases a
@@ -116,6 +118,9 @@ class JobConfig:
             ``calib_shards``, bit for bit. With ``blockwise`` every rank reads the checkpoint block by block
             (:func:`~sparseswaps_prune.llm.streaming.prune_checkpoint` with ``distributed=True``) and rank 0 alone
             writes the output shards. Every rank returns rank 0's report once rank 0 has written it.
+        save_format: ``"dense"`` (``save_pretrained``: the pruned weights with their zeros) or ``"sparse"``
+            (:func:`sparseswaps_prune.deploy.write_sparse_files`: a bitmask and the kept values per pruned linear, about
+            0.45x the size at 60%; load with :func:`sparseswaps_prune.deploy.load_sparse`). Not with ``blockwise``.
         collective_timeout: with ``distributed``, the seconds a rank waits for the others in one collective
             operation before the run fails with a one-line error naming the ranks that did not answer
             (:class:`~sparseswaps_prune.llm.distributed.CollectiveTimeout`); the CLI's ``--collective-timeout``,
@@ -142,6 +147,7 @@ class JobConfig:
     blockwise: bool = False
     distributed: bool = False
     collective_timeout: float = DEFAULT_COLLECTIVE_TIMEOUT
+    save_format: str = "dense"
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict (``from_dict`` inverts it)."""
@@ -180,6 +186,13 @@ class JobConfig:
             raise TypeError(f"seed must be an int, got {self.seed!r}")
         if not 0 <= self.seed < SEED_LIMIT:
             raise ValueError(f"seed (--seed) must be an int in [0, 2**64), got {self.seed}")
+        if self.save_format not in ("dense", "sparse"):
+            raise ValueError(f"save_format (--save-format) must be 'dense' or 'sparse', got {self.save_format!r}")
+        if self.blockwise and self.save_format == "sparse":
+            raise ValueError(
+                "save_format='sparse' (--save-format sparse) needs the whole pruned model, which blockwise=True "
+                "(--blockwise) never holds: save dense, then convert with sparseswaps_prune.deploy.save_sparse"
+            )
         for name in ("eval_warmstart", "blockwise", "distributed"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
@@ -448,8 +461,11 @@ def run_job(
     }
 
     def write_model(staging: Path) -> list[LayerReport]:
-        model.save_pretrained(staging)
-        tokenizer.save_pretrained(staging)
+        if config.save_format == "sparse":
+            write_sparse_files(model, staging, tokenizer=tokenizer)
+        else:
+            model.save_pretrained(staging)
+            tokenizer.save_pretrained(staging)
         return result.layers
 
     _, publish = _save_outputs(write_model, config, out, overwrite=overwrite)
