@@ -36,7 +36,7 @@ import common
 import torch
 
 from sparseswaps_prune.core.alps import ALPS_MAX_ITER, alps_prune
-from sparseswaps_prune.llm.streaming import MemoryProbe
+from sparseswaps_prune.llm.io.memory import MemoryProbe
 
 GB = 1e9
 # LLaMA-3.1-8B (hidden 4096, intermediate 14336, 8 KV heads of 128): [d_out, d_in] -> the block's layers of that shape.

@@ -91,8 +91,8 @@ def child_memory(args: argparse.Namespace) -> dict:
     """In-memory path, as the job runs it."""
     from transformers import AutoModelForCausalLM
 
+    from sparseswaps_prune.llm.io.memory import MemoryProbe
     from sparseswaps_prune.llm.pipeline import finalize, prune_model
-    from sparseswaps_prune.llm.streaming import MemoryProbe
 
     probe = MemoryProbe()
     start = time.perf_counter()
@@ -161,7 +161,7 @@ def same_tensors(a: Path, b: Path) -> bool:
     """Every tensor of the two checkpoints equal bit for bit (read one at a time)."""
     from safetensors import safe_open
 
-    from sparseswaps_prune.llm.streaming import SafetensorsCheckpoint
+    from sparseswaps_prune.llm.io.readers import SafetensorsCheckpoint
 
     ra, rb = SafetensorsCheckpoint(a), SafetensorsCheckpoint(b)
     if set(ra.files) != set(rb.files):

@@ -15,18 +15,18 @@ from typing import Any
 import torch
 
 from sparseswaps_prune.core import refit_swaps as rs
+from sparseswaps_prune.core.backends import refit_engine_class
 from sparseswaps_prune.core.backends.gram_gather import gather_gram
 from sparseswaps_prune.core.gram import GramAccumulator
 from sparseswaps_prune.core.refine import Figures
-from sparseswaps_prune.core.refit import REFIT_DAMP, factor_kept
+from sparseswaps_prune.core.refit import REFIT_DAMP, damping, factor_kept
 from sparseswaps_prune.core.spec import DSnoTRefine, PruneSpec, SwapRefine, build_spec
 from sparseswaps_prune.core.warmstart import warmstart_mask
 from sparseswaps_prune.llm.block_tune import BLOCK_TUNE_LR, BLOCK_TUNE_SCHEDULE
 from sparseswaps_prune.llm.data import load_calibration
-from sparseswaps_prune.llm.layers import find_blocks
 from sparseswaps_prune.llm.models import load_model
 from sparseswaps_prune.llm.pipeline import PruneOptions
-from sparseswaps_prune.modules import find_layers, input_hooks
+from sparseswaps_prune.modules import find_blocks, find_layers, input_hooks
 from sparseswaps_prune.recipes import BLOCK_TUNE_EPOCHS, DEFAULT_RECIPE, RECIPES, recipe_name
 
 Grams = dict[str, dict[str, GramAccumulator]]  # layer name -> {"small", "large", "holdout"}
@@ -56,44 +56,19 @@ def random_layer(
 
 def triton_refit_layer(
     d_in: int, rows: int, pattern: str, device: str
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, rs.RefitState, torch.Tensor, int | None]:
-    """:func:`random_layer` (float64, on ``device``) and the Triton engine's re-fit state of its mask, with the slot
-    counts the engine uses (``refit_triton.aligned_slots``) and ``damp = 0.01``: ``(weight, gram, keep, state, pivot
-    floor [d_in], N:M block size or None)``. Needs triton."""
-    from sparseswaps_prune.core.backends import refit_triton
-    from sparseswaps_prune.core.refit import damping
-
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any, torch.Tensor, int | None]:
+    """:func:`random_layer` (float64, on ``device``) and the Triton engine's re-fit state of its mask
+    (``refit_lazy_triton.TritonRefitState``, with the slot counts it uses) at ``damp = 0.01``: ``(weight, gram, keep,
+    state, pivot floor [d_in], N:M block size or None)``. Needs triton."""
+    engine = refit_engine_class("triton")
     nm = pattern_options(pattern)["nm"]
+    m = nm[1] if nm else None
     weight, gram, keep = (t.to(device) for t in random_layer(d_in, rows, pattern, dtype=torch.float64))
     counts = keep.sum(dim=1)
-    k, q = (refit_triton.aligned_slots(n, d_in) for n in (int(counts.max()), d_in - int(counts.min())))
+    k, q = (engine.slot_count(n, d_in) for n in (int(counts.max()), d_in - int(counts.min())))
     lam = damping(gram, 0.01)
-    state = rs.build_state(weight, keep, gram, lam, k, q)
-    return weight, gram, keep, state, rs.pivot_floor(gram, lam), nm[1] if nm else None
-
-
-def triton_refit_iteration(
-    state: rs.RefitState,
-    weight: torch.Tensor,
-    gram: torch.Tensor,
-    rows: torch.Tensor,
-    floor: torch.Tensor,
-    m: int | None,
-    figures: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One iteration of the Triton engine's row scope as ``refine.iterate`` runs it: ``refit_triton.swap_slots`` of
-    the ``rows`` whose best swap lowers the loss (``figures``: their ``(dF, kept slot, pruned slot)`` ``[n]``,
-    updated in place with the new scan), then ``refit_triton.scan_swaps`` of those rows, whose result it returns.
-    ``state`` is modified in place."""
-    from sparseswaps_prune.core.backends import refit_triton
-
-    best, slot_i, slot_j = figures
-    accept = best < 0
-    moved = rows[accept]
-    refit_triton.swap_slots(state, moved, slot_i[accept], slot_j[accept], gram)
-    scan = refit_triton.scan_swaps(state, weight, moved, floor, m)
-    best[accept], slot_i[accept], slot_j[accept] = scan
-    return scan
+    state = engine(weight, keep, gram, lam, k, q, m)
+    return weight, gram, keep, state, rs.pivot_floor(gram, lam), m
 
 
 def iterate_step(

@@ -110,12 +110,17 @@ def row_path(out: Path, pattern: str, options: PruneOptions) -> Path:
     return out / f"{re.sub(r'[^A-Za-z0-9_.=+-]+', '_', name).strip('_')}.json"
 
 
-def load_row(path: Path, options: PruneOptions) -> dict[str, Any] | None:
-    """The row saved at ``path`` if it was pruned with ``options``, else None (missing, or other options; fields
-    added to ``PruneOptions`` since the row was written take their defaults)."""
+def load_row(path: Path, options: PruneOptions | None, extra_eval: list[str]) -> dict[str, Any] | None:
+    """The row saved at ``path`` if it was pruned with ``options`` (None: the dense row) and holds the perplexity
+    on every ``extra_eval`` text, else None (missing, other options, or a text not measured; fields added to
+    ``PruneOptions`` since the row was written take their defaults)."""
     if not path.exists():
         return None
     row = json.loads(path.read_text())
+    if not set(extra_eval) <= set(row.get("perplexity_extra", {})):
+        return None
+    if options is None:
+        return row
     try:
         saved = PruneOptions.from_dict(row["options"])
     except (KeyError, TypeError, ValueError):
@@ -123,11 +128,15 @@ def load_row(path: Path, options: PruneOptions) -> dict[str, Any] | None:
     return row if saved == options else None
 
 
-def format_row(pattern: str, name: str, row: dict[str, Any]) -> str:
-    """One Markdown row: final layer loss (calibration, held-out), perplexity, cloze accuracy, layer s, prune s."""
+def format_row(pattern: str, name: str, row: dict[str, Any], extra_eval: list[str]) -> str:
+    """One Markdown row: final layer loss (calibration, held-out), perplexity on the built-in evaluation text and
+    on each ``extra_eval`` text, cloze accuracy, layer s, prune s."""
     t, acc = row["totals"], row["zero_shot"]
     held = "n/a" if t["holdout_final"] is None else f"{t['holdout_final']:.4g}"
-    ppl = "n/a" if row["perplexity"] is None else f"{row['perplexity']:.2f}"
+    ppl = " | ".join(
+        "n/a" if value is None else f"{value:.2f}"
+        for value in (row["perplexity"], *(row["perplexity_extra"][name] for name in extra_eval))
+    )
     accuracy = "n/a" if not acc else f"{100 * next(iter(acc.values())):.1f}%"
     return (
         f"| {pattern} | {name} | {t['loss_final']:.4g} | {held} | {ppl} | {accuracy} | {t['seconds']:.0f} | "
@@ -174,6 +183,7 @@ def build_experiment(args: argparse.Namespace) -> Experiment:
         windows[: args.nsamples],
         holdout_tokens=windows[args.nsamples :] if args.holdout else None,
         eval_tokens=load_eval_tokens("builtin", tokenizer),
+        extra_eval_tokens={name: load_eval_tokens(name, tokenizer) for name in args.extra_eval},
         seqlen=args.seqlen,
         eval_windows=args.eval_windows,
         tasks=tasks,
@@ -215,6 +225,13 @@ def main(
     parser.add_argument("--holdout", type=int, default=JobConfig.holdout, help="held-out calibration windows")
     parser.add_argument("--seqlen", type=int, default=JobConfig.seqlen)
     parser.add_argument("--eval-windows", type=int, default=JobConfig.eval_windows)
+    parser.add_argument(
+        "--extra-eval",
+        nargs="*",
+        default=["stdlib-prose"],
+        help="more evaluation texts (data sources) for perplexity beside the built-in one (default: stdlib-prose, "
+        "English prose calibration never touches)",
+    )
     parser.add_argument("--cloze-items", type=int, default=100, help="builtin_cloze items (0: no zero-shot)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--report-only", action="store_true", help="print (and plot) finished rows, run nothing")
@@ -238,22 +255,27 @@ def main(
 
     print(f"machine: {platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}")
     dense_file = out / "dense.json"
-    if not dense_file.exists() and not args.report_only:
-        save_json(exp().evaluate(), dense_file)
-    dense = json.loads(dense_file.read_text()) if dense_file.exists() else None
+    dense = load_row(dense_file, None, args.extra_eval)
+    if dense is None and not args.report_only:
+        dense = exp().evaluate()
+        save_json(dense, dense_file)
     if dense is not None:
-        ppl = "n/a" if dense["perplexity"] is None else f"{dense['perplexity']:.3f}"
+        ppl = ", ".join(
+            f"{text} {'n/a' if value is None else f'{value:.3f}'}"
+            for text, value in (("builtin", dense["perplexity"]), *dense["perplexity_extra"].items())
+        )
         print(f"dense: perplexity {ppl}, zero-shot {dense['zero_shot']}")
+    texts = " | ".join(f"ppl ({text})" for text in ("builtin", *args.extra_eval))
     print(
-        "| pattern | method | final layer loss (calib) | final layer loss (held-out) | ppl | cloze acc | layer s "
+        f"| pattern | method | final layer loss (calib) | final layer loss (held-out) | {texts} | cloze acc | layer s "
         "| prune s |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|" + "---|" * (len(args.extra_eval) + 2))
     results: dict[str, list[dict[str, Any]]] = {}
     missing = []
     for pattern, options in runs:
         name, path = options_label(options), row_path(out, pattern, options)
-        row = load_row(path, options)
+        row = load_row(path, options, args.extra_eval)
         if row is None:
             if args.report_only:
                 missing.append(f"{pattern} {name}")
@@ -262,7 +284,7 @@ def main(
             row = exp().run(options)
             row["seconds_wall"] = time.perf_counter() - start
             save_json(row, path)
-        print(format_row(pattern, name, row), flush=True)
+        print(format_row(pattern, name, row, args.extra_eval), flush=True)
         results.setdefault(pattern, []).append({**row, "label": name})
     if missing:
         print(f"not run yet (--report-only): {'; '.join(missing)}")

@@ -52,9 +52,9 @@ from sparseswaps_prune.core.layer import prune_layer
 from sparseswaps_prune.core.refine import ROW_BATCH_ELEMENTS
 from sparseswaps_prune.core.spec import SCORES, SPARSESWAPS_SPEC, SwapRefine, build_spec
 from sparseswaps_prune.llm import pipeline
-from sparseswaps_prune.llm.layers import find_blocks
+from sparseswaps_prune.llm.io.memory import MemoryProbe
 from sparseswaps_prune.llm.pipeline import PruneOptions, finalize, prune_model
-from sparseswaps_prune.llm.streaming import MemoryProbe
+from sparseswaps_prune.modules import find_blocks
 from sparseswaps_prune.recipes import RECIPES
 
 GB = 1e9

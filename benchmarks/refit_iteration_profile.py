@@ -1,26 +1,24 @@
 """Where the time of the re-fit objective's Triton engine goes: ``torch.profiler`` over 3 iterations of its row scope
-(``refit_triton.swap_slots`` of the rows whose best swap lowers the loss, then their scan), or with ``--build`` over
-2 builds of the state (``refit_swaps.build_state``: the Cholesky factor, ``H``, ``v``, ``Z``), on
-``common.random_layer`` (``--pattern``: 60% or 2:4, ``--width`` inputs, ``--rows`` rows in one batch), after one
-warm-up; prints the operators by device time. Iterations on CUDA (on the CPU only in the Triton interpreter, for
-testing); ``--build`` also on the CPU (``--device cpu``). ``--engine lazy``: the iterations of the lazy state
-(``refit_lazy.LazyRefitState``: pending rank-one terms, the kernel's scan, its moves and scan terms in Triton
-kernels) instead; ``lazy-torch``: the same with its moves and scan terms in torch operations; ``mask``: the mask
-objective's iterations (``refine.MaskRows`` with the Triton search, N:M's search at 2:4), for comparison.
+(``refit_lazy_triton.TritonRefitState``: the swaps of the rows whose best swap lowers the loss -- pending rank-one
+terms, its moves and scan terms in Triton kernels -- then their scan), or with ``--build`` over 2 builds of the
+state (``refit_state.build_state``: the Cholesky factor, ``H``, ``v``, ``Z``), on ``common.random_layer``
+(``--pattern``: 60% or 2:4, ``--width`` inputs, ``--rows`` rows in one batch), after one warm-up; prints the
+operators by device time. Iterations on CUDA (on the CPU only in the Triton interpreter, for testing); ``--build``
+also on the CPU (``--device cpu``). ``--engine mask``: the mask objective's iterations (``refine.MaskRows`` with the
+Triton search, N:M's search at 2:4) instead, for comparison.
 
 ``--count``: instead of profiling, count what the iterations ask of the device, per iteration: torch operators that
 run a kernel (views and allocations excluded; on the CPU a copy between host and device is not an operator, so
 transfers are not counted), Triton kernel launches, and synchronisations with the host (reads of a value such as
 ``item``, ``nonzero``, indexing by a boolean mask; not ``tolist``, which bypasses the operators). The counts are
 the device's on CUDA too (iterations without a fold of the lazy state's terms: it folds every 32 swaps), but for the
-transfers and ``lazy-torch``'s ``refit_swaps.add_rows``, which runs row by row on the CPU and as one ``index_add_``
-elsewhere; on the CPU they need the Triton interpreter (``TRITON_INTERPRET=1``). An iteration is
+transfers; on the CPU they need the Triton interpreter (``TRITON_INTERPRET=1``). An iteration is
 ``refine.iterate``'s: the rows whose best swap lowers the loss chosen on the host from the figures copied there (not
 counted), their slots copied to the device, their swaps and their scan, whose figures go back to the host (one
 transfer each way, counted as operators on CUDA only).
 
-    python benchmarks/refit_iteration_profile.py [--width 4096] [--rows 256] [--build | --engine lazy] [--count]
-        [--pattern 60%|2:4] [--device cuda]   # --engine: triton (default), lazy, lazy-torch, mask
+    python benchmarks/refit_iteration_profile.py [--width 4096] [--rows 256] [--build | --engine mask] [--count]
+        [--pattern 60%|2:4] [--device cuda]   # --engine: triton (default), mask
 """
 
 from __future__ import annotations
@@ -36,7 +34,6 @@ from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from sparseswaps_prune.core import refit_swaps as rs
-from sparseswaps_prune.core.backends.refit_lazy import LazyRefitState
 from sparseswaps_prune.core.refine import Figures, MaskRows
 from sparseswaps_prune.core.refit import damping
 
@@ -99,7 +96,7 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=4096)
     parser.add_argument("--rows", type=int, default=256)
     parser.add_argument("--build", action="store_true", help="profile the state's build instead of iterations")
-    parser.add_argument("--engine", default="triton", choices=["triton", "lazy", "lazy-torch", "mask"])
+    parser.add_argument("--engine", default="triton", choices=["triton", "mask"])
     parser.add_argument("--count", action="store_true", help="count device operations per iteration instead")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--pattern", default="60%", choices=["60%", "2:4"])
@@ -109,9 +106,9 @@ def main() -> None:
     if args.build and args.count:
         parser.error("--count counts iterations, not builds")
     cuda = args.device == "cuda"
-    weight, gram, keep, state, floor, m = triton_refit_layer(args.width, args.rows, args.pattern, args.device)
+    weight, gram, keep, state, _, _ = triton_refit_layer(args.width, args.rows, args.pattern, args.device)
     rows = torch.arange(args.rows, device=args.device)
-    lam, (_, k, q) = damping(gram, 0.01), state.z.shape
+    lam, (k, q) = damping(gram, 0.01), state.slots
     counter = DeviceOps() if args.count else None
     if args.build:
         del state  # the profiled builds need the memory
@@ -133,26 +130,12 @@ def main() -> None:
 
             apply = model.apply
         else:
-            if args.engine == "triton":
-                from sparseswaps_prune.core.backends import refit_triton
-
-                def scan(rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
-                    return refit_triton.scan_swaps(state, weight, rows, floor, m)
-
-                def swap(rows: torch.Tensor, slot_i: torch.Tensor, slot_j: torch.Tensor) -> tuple[torch.Tensor, ...]:
-                    return refit_triton.swap_slots(state, rows, slot_i, slot_j, gram)
-
-            else:
-                del state  # the lazy state needs the memory
-                fused = args.engine == "lazy"
-                lazy = LazyRefitState(weight, keep, gram, lam, k, q, m, triton_scan=True, fused=fused)
-                scan, swap = lazy.scan, lazy.swap
 
             def figures_of(rows: torch.Tensor) -> Figures:
-                return Figures.on_host(list(scan(rows)))
+                return Figures.on_host(list(state.scan(rows)))
 
             def apply(moves: tuple[torch.Tensor, ...]) -> None:  # as RefitRows.apply
-                u, p = swap(*moves)
+                u, p = state.swap(*moves)
                 keep[moves[0], u] = False
                 keep[moves[0], p] = True
 

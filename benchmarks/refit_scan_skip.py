@@ -2,7 +2,7 @@
 
 For every linear layer of ``--blocks`` of the packaged SmolLM2-135M-Instruct (Grams from ``--nsamples`` built-in
 calibration windows) with a Wanda mask of ``--pattern``: the re-fit state of every row (torch engine, the default
-row batches), then :func:`~sparseswaps_prune.core.backends.refit_triton.columns_to_scan` (the pruned slots whose
+row batches), then :func:`~sparseswaps_prune.core.backends.refit_lazy_triton.columns_to_scan` (the pruned slots whose
 pairs the Triton scan evaluates; the others cannot win or tie by ``dF(u, p) >= -r_p^2 / s_p``), at the start
 (every row) and after ``--iters`` iterations of the library's row-scope loop (the rows whose best swap still lowers
 the loss past the rounding floor, which the loop would go on scanning). Printed per layer kind and over all layers:
@@ -28,7 +28,7 @@ from common import add_layer_run_args, bound_visits, capture_grams, pattern_opti
 
 from sparseswaps_prune.core import refine
 from sparseswaps_prune.core import refit_swaps as rs
-from sparseswaps_prune.core.backends.refit_triton import SCAN_TILE, columns_to_scan, kept_slot_ranges
+from sparseswaps_prune.core.backends.refit_lazy_triton import SCAN_TILE, columns_to_scan, kept_slot_ranges
 from sparseswaps_prune.core.refine import RefitRows, RowPlanner, _default_row_batch
 from sparseswaps_prune.core.refit import damping
 from sparseswaps_prune.core.spec import SwapRefine
@@ -48,8 +48,8 @@ def skip_counts(model: RefitRows, rows: torch.Tensor, shared: torch.Tensor) -> d
     state = model.state
     restorable = rs.restorable(state, model.w64, rows)
     terms = rs.removal_terms(state, rows)
-    need = columns_to_scan(state, rows, terms, restorable, model.pivot_floor, model.m)
-    best = rs.scan_swaps(state, model.w64, rows, model.pivot_floor, model.m)[0]
+    need = columns_to_scan(state, rows, terms, restorable, model.pivot_floor, state.m)
+    best = rs.scan_swaps(state, model.w64, rows, model.pivot_floor, state.m)[0]
     exact, loose = state.schur[rows], shared[state.pruned[rows]]
     out = {"rows": rows.numel(), "restorable": int(restorable.sum()), "evaluated": int(need.sum()),
            "exact": int(bound_visits(state, model.w64, rows, best, exact).sum()),
@@ -60,8 +60,8 @@ def skip_counts(model: RefitRows, rows: torch.Tensor, shared: torch.Tensor) -> d
         tiles = torch.nn.functional.pad(need, (0, pad)).view(need.shape[0], -1, block_q).any(dim=2)
         out[f"{name}_tiles"] = tiles.numel()
         out[f"{name}_hit"] = int(tiles.sum())
-        if model.m:
-            args = (state.kept[rows], state.kept_ok[rows], state.pruned[rows], need, model.m, block_q)
+        if state.m:
+            args = (state.kept[rows], state.kept_ok[rows], state.pruned[rows], need, state.m, block_q)
             k_lo, k_hi = kept_slot_ranges(*args)
         else:
             k_lo, k_hi = torch.zeros_like(tiles, dtype=torch.long), torch.full_like(tiles, k_slots, dtype=torch.long)

@@ -2,8 +2,8 @@
 
 For each width d_in at ``--pattern`` (60% per row by default, or N:M; Wanda warmstart on a random correlated layer),
 prints per row and per re-fit engine (the torch reference and, on the CPU, the compiled numba engine, on CUDA the
-fused Triton kernels and the lazy state with the Triton scan and its moves in two kernels, ``lazy-torch`` with its
-moves as torch operations; ``same``: the engine applied the first engine's swaps in every timed iteration): the time to
+lazy state with its scan and moves in Triton kernels, ``triton``; ``same``: the engine applied the first engine's
+swaps in every timed iteration): the time to
 build the float64 re-fit state (Cholesky of G_SS + lambda I, H, v, r, s and Z = H G[S, P]: O(k^2 (d_in - k))) and of
 one re-fit iteration (the updates of the applied swaps, then the pair scan of the swapped rows), against a
 least-squares re-fit of the same mask (refit_weights) and one mask-only iteration (best_swaps on the default
@@ -14,12 +14,12 @@ factor ``L`` of ``G_SS + lambda I`` and the Schur complement ``s_p = G_pp + lamb
 pruned ``p`` (one triangular solve against all of ``G[S, P]``, ``k^2 (d_in - k)`` flops), which the pair scan's
 bound ``dF >= -r_p^2 / s_p`` needs before it can skip any column; and the torch state build with ``H`` formed both
 ways (``build_state(triangular_inverse=...)``: ``torch.cholesky_inverse``, the CPU default, or the factor's
-triangular inverse and a product, the CUDA default). ``--slot-align`` sets ``refit_triton.SLOT_ALIGN`` (the
+triangular inverse and a product, the CUDA default). ``--slot-align`` sets ``refit_lazy_triton.SLOT_ALIGN`` (the
 Triton engine's slot counts are rounded up to a multiple of it; 1: the exact counts). Figures go to BENCHMARKS.md
 only from a quiet machine.
 
     python benchmarks/refit_swaps.py [--device cpu] [--widths 576 1536 4096] [--rows 8] [--iters 8] [--threads N]
-                                     [--pattern 60%|2:4] [--slot-align 16] [--engines triton lazy lazy-torch]
+                                     [--pattern 60%|2:4] [--slot-align 16] [--engines torch triton]
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import platform
 import torch
 from common import iterate_step, pattern_options, random_layer, timed
 
-from sparseswaps_prune.core.backends import best_swaps, refit_lazy, resolve_backend, triton_available
+from sparseswaps_prune.core.backends import best_swaps, resolve_backend, triton_available
 from sparseswaps_prune.core.backends.gram_gather import gather_gram
 from sparseswaps_prune.core.losses import correlation
 from sparseswaps_prune.core.refine import MaskRows, RefitRows
@@ -82,8 +82,8 @@ def measure(
     iterations after one warm-up iteration (the lazy engines fold their pending terms every few moves). The
     mask-only iteration is the search and the ``c`` update alone (the figures of earlier tables); the mask-objective
     row model's (``refine.MaskRows``) runs as the re-fit engines' do, with the same per-call costs. ``engines``:
-    ``RefitRows`` engines, or ``lazy-torch`` (default: torch and numba on the CPU; torch, triton, lazy, lazy-torch on
-    CUDA). ``pattern``: ``"60%"``, ``"2:4"``, ... (``search`` must be ``"nm"`` for N:M)."""
+    ``RefitRows`` engines (default: torch and numba on the CPU; torch and triton on CUDA). ``pattern``: ``"60%"``,
+    ``"2:4"``, ... (``search`` must be ``"nm"`` for N:M)."""
     nm = pattern_options(pattern)["nm"]
     weight, gram, keep = (t.to(device) for t in random_layer(d_in, n_rows, pattern, dtype=torch.float64))
     k = int(keep.sum(1).max())
@@ -97,19 +97,13 @@ def measure(
     )
     if engines is None:
         cpu = weight.device.type == "cpu"
-        engines = ["torch", "numba"] if cpu else ["torch"] + ["triton", "lazy", "lazy-torch"] * triton_available()
+        engines = ["torch", "numba"] if cpu else ["torch"] + ["triton"] * triton_available()
     figures, masks = {}, {}
     for engine in engines:
 
         def build(engine: str = engine) -> RefitRows:
             m = nm[1] if nm else None
-            # "lazy-torch": the lazy state with its moves as torch operations instead of the two kernels
-            refit_lazy.FUSED = engine != "lazy-torch"
-            try:
-                return RefitRows(weight, keep.clone(), gram, lam=lam, m=m, row_batch=n_rows, cross=False,
-                                 engine=engine.removesuffix("-torch"))  # fmt: skip
-            finally:
-                refit_lazy.FUSED = True
+            return RefitRows(weight, keep.clone(), gram, lam=lam, m=m, row_batch=n_rows, cross=False, engine=engine)
 
         build_s = timed(build, repeat=BUILD_REPEAT)
         model = build()
@@ -143,17 +137,17 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=8, help="re-fit iterations averaged per engine")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     parser.add_argument("--pattern", default="60%", help="e.g. 60%% or 2:4")
-    parser.add_argument("--slot-align", type=int, default=None, help="refit_triton.SLOT_ALIGN (default: as is)")
-    parser.add_argument("--engines", nargs="+", default=None, help="e.g. triton lazy lazy-torch (default: all)")
+    parser.add_argument("--slot-align", type=int, default=None, help="refit_lazy_triton.SLOT_ALIGN (default: as is)")
+    parser.add_argument("--engines", nargs="+", default=None, help="e.g. torch triton (default: all)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     align = ""
     if triton_available():
-        from sparseswaps_prune.core.backends import refit_triton
+        from sparseswaps_prune.core.backends import refit_lazy_triton
 
-        refit_triton.SLOT_ALIGN = args.slot_align or refit_triton.SLOT_ALIGN
-        align = f", Triton slots aligned to {refit_triton.SLOT_ALIGN}"
+        refit_lazy_triton.SLOT_ALIGN = args.slot_align or refit_lazy_triton.SLOT_ALIGN
+        align = f", Triton slots aligned to {refit_lazy_triton.SLOT_ALIGN}"
     print(
         f"machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
         f"torch {torch.__version__}, device {args.device}, {args.rows} rows per batch, {args.pattern}{align}"

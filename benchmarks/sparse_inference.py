@@ -14,6 +14,12 @@
 (c) Resident memory of the same models, dense and sparsified: tensor bytes, and the resident set of a fresh process
     that loads the model (``/proc/self/status``, Linux).
 (d) Checkpoint size on disk: ``save_pretrained`` against ``save_sparse``, float32 and bfloat16.
+(e) The least size the format allows (:func:`~sparseswaps_prune.deploy.bench.size_bound`): the decoder blocks'
+    linear weights pruned (what ``sparseswaps prune`` prunes) and stored as their bitmask plus the kept values,
+    everything else (embeddings, an untied ``lm_head``, norms) as it is; from the configs alone (a model on the meta
+    device, no weights) of the default model (SmolLM2-135M; a tiny llama with ``--quick``) and of a Llama-7B-shaped
+    model (``LlamaConfig()``'s defaults), with the least sparsity at which the bound is 0.5x the dense size.
+    ``--bound`` prints this section alone (seconds).
 
 Each section prints a table; the first line names the machine and its load (other processes share the CPUs).
 Idle OpenMP threads of torch and numba spin by default and slow each other down; like the test suite, the script
@@ -39,9 +45,16 @@ import torch
 from torch import nn
 
 from sparseswaps_prune.deploy import SparseLinear, load_sparse, save_sparse, sparsify
-from sparseswaps_prune.deploy.bench import decode_speeds, dir_bytes, machine_line, resident_memory, tensor_bytes
+from sparseswaps_prune.deploy.bench import (
+    decode_speeds,
+    dir_bytes,
+    machine_line,
+    resident_memory,
+    size_bound,
+    tensor_bytes,
+)
 from sparseswaps_prune.deploy.kernels import default_kernel
-from sparseswaps_prune.modules import find_layers
+from sparseswaps_prune.modules import find_blocks, find_layers
 
 FULL = {
     "shapes": [(4096, 14336), (14336, 4096)],
@@ -279,12 +292,74 @@ def model_sections(quick: bool, config: dict, repeats: int) -> None:
         )
 
 
+BOUND_SPARSITIES = (0.6, 0.7)
+
+
+def bound_configs(quick: bool) -> dict:
+    """name -> transformers config of the models of section (e): the default model's (a tiny llama's with
+    ``quick``) and a Llama-7B-shaped one."""
+    from transformers import AutoConfig, LlamaConfig
+
+    if quick:
+        from sparseswaps_prune.llm.models import tiny_config
+
+        first = ("tiny llama", tiny_config("llama"))
+    else:
+        from sparseswaps_prune.llm.models import resolve_source
+
+        source, gguf = resolve_source(None, None)
+        first = ("SmolLM2-135M", AutoConfig.from_pretrained(source, gguf_file=gguf))
+    return dict([first, ("Llama-7B shape", LlamaConfig())])
+
+
+def bound_rows(configs: dict, sparsities=BOUND_SPARSITIES) -> list[dict]:
+    """Section (e): :func:`size_bound` of each config's model on the meta device, float32 and bfloat16, with the
+    decoder blocks' linear weights pruned."""
+    from transformers import AutoModelForCausalLM
+
+    rows = []
+    for name, config in configs.items():
+        for dtype in (torch.float32, torch.bfloat16):
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+            blocks_name, blocks = find_blocks(model)
+            pruned = [
+                f"{layer.name}.weight"
+                for index, block in enumerate(blocks)
+                for layer in find_layers(block, prefix=f"{blocks_name}.{index}")
+            ]
+            for sparsity in sparsities:
+                bound = size_bound(model, pruned, sparsity)
+                rows.append({"model": name, "dtype": str(dtype).removeprefix("torch."), "layers": len(pruned)} | bound)
+    return rows
+
+
+def print_bound_table(rows: list[dict]) -> None:
+    print(
+        "\n(e) least checkpoint size of the format: the decoder blocks' linears pruned (bitmask + kept values), every"
+        "\n    other tensor dense; dense = save_pretrained's tensor bytes; MB"
+    )
+    print(
+        f"{'model':>15} {'dtype':>8} {'pruned':>6} {'sparsity':>8} {'dense':>9} {'unpruned':>9} {'values':>9} "
+        f"{'bitmask':>8} {'bound':>9} {'ratio':>6} {'0.5x at':>7}"
+    )
+    for r in rows:
+        at = "never" if r["sparsity_for_target"] is None else f"{r['sparsity_for_target']:.1%}"
+        print(
+            f"{r['model']:>15} {r['dtype']:>8} {r['pruned_fraction']:>6.1%} {r['sparsity']:>8.0%} "
+            f"{r['dense_bytes'] / 2**20:>9.1f} {r['unpruned_bytes'] / 2**20:>9.1f} {r['values_bytes'] / 2**20:>9.1f} "
+            f"{r['bitmask_bytes'] / 2**20:>8.1f} {r['bound_bytes'] / 2**20:>9.1f} {r['ratio']:>6.3f} {at:>7}"
+        )
+    print("pruned: the pruned linears' share of the parameters; 0.5x at: least sparsity of those with bound <= 0.5x")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="small shapes, a tiny model, few repeats (seconds)")
     parser.add_argument("--repeats", type=int, default=None, help="timed runs per figure (default 3, --quick 2)")
     parser.add_argument("--skip-layers", action="store_true", help="skip section (a)")
     parser.add_argument("--skip-model", action="store_true", help="skip sections (b), (c), (d)")
+    parser.add_argument("--bound", action="store_true", help="print section (e) alone (seconds)")
     args = parser.parse_args(argv)
     config = QUICK if args.quick else FULL
     repeats = args.repeats or (2 if args.quick else 3)
@@ -292,11 +367,12 @@ def main(argv: list[str] | None = None) -> None:
     set_threads(1)
     print("machine:", machine_line())
     print("kernel:", default_kernel())
-    if not args.skip_layers:
+    if not args.skip_layers and not args.bound:
         rows = layer_table(config["shapes"], config["sparsities"], config["batches"], repeats, config["csr_batches"])
         print_layer_table(rows)
-    if not args.skip_model:
+    if not args.skip_model and not args.bound:
         model_sections(args.quick, config, 1 if args.quick else 3)
+    print_bound_table(bound_rows(bound_configs(args.quick)))
     print(f"\ntotal {time.perf_counter() - start:.0f} s; load average now {os.getloadavg()[0]:.2f}")
 
 

@@ -86,7 +86,7 @@ _PROFILE_FIELDS = ("sparsity_profile", "owl_m", "owl_lambda")
 _TUNE_FIELDS = ("block_tune_epochs", "block_tune_lr", "block_tune_schedule")
 _JOB_FIELDS = (
     "model", "gguf_file", "calib", "nsamples", "seqlen", "holdout", "eval", "eval_windows", "device", "dtype", "seed",
-    "batch_size", "blockwise", "distributed", "collective_timeout", "save_format",
+    "batch_size", "blockwise", "distributed", "collective_timeout", "save_format", "bench",
 )  # fmt: skip
 
 
@@ -127,7 +127,7 @@ def _print_report(report: dict, args: argparse.Namespace) -> None:
     from sparseswaps_prune.llm.job import summary
 
     if args.json_log:
-        print(json.dumps({k: report[k] for k in ("totals", "perplexity", "seconds")}))
+        print(json.dumps({k: report[k] for k in ("totals", "perplexity", "seconds", "bench") if k in report}))
     elif args.quiet:
         ppl = report["perplexity"]
         print(
@@ -319,7 +319,9 @@ def _add_prune_options(p: argparse.ArgumentParser) -> None:
     data = p.add_argument_group("model and data")
     data.add_argument("--model", help="hub name or local path (default: packaged SmolLM2-135M-Instruct)")
     data.add_argument("--gguf-file", help="GGUF file inside --model")
-    data.add_argument("--calib", help="calibration text: builtin | c4 | wikitext | PATH (default builtin)")
+    data.add_argument(
+        "--calib", help="calibration text: builtin | stdlib-prose | c4 | wikitext | PATH (default builtin)"
+    )
     data.add_argument("--nsamples", type=int, help=f"calibration windows (default {JobConfig.nsamples})")
     data.add_argument("--seqlen", type=int, help=f"tokens per window (default {JobConfig.seqlen})")
     data.add_argument(
@@ -332,7 +334,9 @@ def _add_prune_options(p: argparse.ArgumentParser) -> None:
         type=int,
         help=f"held-out calibration windows for --guard and the report (default {DEFAULT_HOLDOUT})",
     )
-    data.add_argument("--eval", help="perplexity text: builtin | c4 | wikitext | PATH | none (default builtin)")
+    data.add_argument(
+        "--eval", help="perplexity text: builtin | stdlib-prose | c4 | wikitext | PATH | none (default builtin)"
+    )
     data.add_argument(
         "--eval-windows", type=int, help=f"at most this many evaluation windows (default {JobConfig.eval_windows})"
     )
@@ -384,6 +388,12 @@ def _add_prune_options(p: argparse.ArgumentParser) -> None:
         help="dense: save_pretrained, zeros stored (default); sparse: a bitmask and the kept values per pruned linear, "
         "about 0.45x the size at 60%% (load with sparseswaps_prune.deploy.load_sparse; not with --blockwise)",
     )  # fmt: skip
+    run.add_argument(
+        "--bench", action="store_true", default=None,
+        help="after saving, measure the pruned model dense against sparse on the CPU, as `sparseswaps bench` does "
+        "(weights on disk, resident memory, greedy-decoding tokens/s) into report.json's bench entry and the summary "
+        "(a temporary dense and sparse save, a few short generations; not with --blockwise)",
+    )  # fmt: skip
     run.add_argument("--quiet", action="store_true", help="no progress bars, one summary line")
     run.add_argument("--json-log", action="store_true", help="JSON log lines on stderr, JSON summary on stdout")
 
@@ -403,9 +413,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_prune)
 
     e = sub.add_parser("eval", help="perplexity and zero-shot accuracy of a (pruned) model")
-    e.add_argument("--model", default=None)
+    e.add_argument(
+        "--model", default=None,
+        help="hub name, local path (save_pretrained's, or a sparse checkpoint: --save-format sparse) or .gguf "
+        "(default: packaged SmolLM2-135M-Instruct)",
+    )  # fmt: skip
     e.add_argument("--gguf-file", default=None)
-    e.add_argument("--ppl", default="builtin", help="builtin | c4 | wikitext | PATH | none")
+    e.add_argument("--ppl", default="builtin", help="builtin | stdlib-prose | c4 | wikitext | PATH | none")
     e.add_argument("--seqlen", type=int, default=256)
     e.add_argument("--eval-windows", type=int, default=None)
     e.add_argument(

@@ -1,4 +1,5 @@
-"""Prunable linear maps of any ``nn.Module``: discovery, input hooks and ``torch.nn.utils.prune`` masks.
+"""Prunable linear maps of any ``nn.Module``: discovery (of the linears, and of a model's decoder blocks), input hooks
+and ``torch.nn.utils.prune`` masks.
 
 Shared by :mod:`sparseswaps_prune.prune`, the Hugging Face pipeline (``llm/``), the Lightning callback
 (``callbacks/``) and fine-tuning (``finetune/``). The prunable layers are every ``nn.Linear`` and every GPT-2
@@ -9,6 +10,7 @@ is looked up in ``sys.modules`` when needed.
 
 from __future__ import annotations
 
+import logging
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -20,10 +22,13 @@ import torch
 from torch import nn
 from torch.nn.utils import prune
 
+logger = logging.getLogger(__name__)
+
 __all__ = [
     "PrunableLayer",
     "apply_mask",
     "check_patterns",
+    "find_blocks",
     "find_layers",
     "input_hooks",
     "is_transposed",
@@ -174,6 +179,63 @@ def find_layers(
             continue
         layers.append(PrunableLayer(full_name, module))
     return layers
+
+
+def find_blocks(model: nn.Module, blocks_path: str | None = None) -> tuple[str, nn.ModuleList]:
+    """Return the decoder blocks of ``model`` and their dotted path.
+
+    Without ``blocks_path`` the blocks are the largest *outermost* ``nn.ModuleList`` whose children all have
+    exactly the same class: ``model.layers`` (Llama, Qwen2, Mistral, Gemma2), ``model.decoder.layers`` (OPT),
+    ``transformer.h`` (GPT-2). "Outermost" means lists nested inside a candidate list (for example per-block
+    expert lists of a mixture-of-experts model) are never chosen. Ties go to the list met first in module
+    order.
+
+    Args:
+        model: the causal LM; not modified.
+        blocks_path: dotted path of the block list relative to ``model`` (e.g. ``"model.layers"``); overrides
+            the search, for models where the structural rule picks the wrong list.
+
+    Returns:
+        ``(path, blocks)`` where ``blocks`` is the ``nn.ModuleList`` itself (not a copy).
+
+    Raises:
+        ValueError: ``blocks_path`` does not name a submodule, or no homogeneous ``ModuleList`` exists.
+        TypeError: ``blocks_path`` names a module that is not an ``nn.ModuleList``.
+    """
+    if blocks_path is not None:
+        try:
+            blocks = model.get_submodule(blocks_path)
+        except AttributeError as err:
+            raise ValueError(
+                f"blocks_path={blocks_path!r} is not a submodule of {type(model).__name__}; pass the dotted "
+                "path of the decoder-block ModuleList as printed by model.named_modules()"
+            ) from err
+        if not isinstance(blocks, nn.ModuleList):
+            raise TypeError(
+                f"blocks_path={blocks_path!r} names a {type(blocks).__name__}, not an nn.ModuleList; "
+                "pass the path of the list that holds the decoder blocks"
+            )
+        return blocks_path, blocks
+
+    best: tuple[str, nn.ModuleList] | None = None
+    candidates: list[str] = []
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.ModuleList) or len(module) == 0:
+            continue
+        if any(name.startswith(outer + ".") for outer in candidates):
+            continue  # nested inside another candidate, e.g. the experts of one block
+        if len({type(child) for child in module}) != 1:
+            continue
+        candidates.append(name)
+        if best is None or len(module) > len(best[1]):
+            best = (name, module)
+    if best is None:
+        raise ValueError(
+            f"no nn.ModuleList of same-class modules found in {type(model).__name__}; pass blocks_path= with "
+            "the dotted path of the decoder-block list (e.g. 'model.layers')"
+        )
+    logger.debug("decoder blocks: %s (%d x %s)", best[0], len(best[1]), type(best[1][0]).__name__)
+    return best
 
 
 def _layer_input(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:

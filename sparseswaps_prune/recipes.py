@@ -60,10 +60,12 @@ class Recipe:
 
 
 _LAYER = Budget(sparsity=0.6, scope="layer")
+_ALPS = PruneSpec(budget=_LAYER, start=ALPSStart(), refine=NoRefine(), weights=StartWeights())
+"""ALPS as published: its layer-wise mask and its own weights (``alps``; ``best`` adds block tuning)."""
 
 RECIPES: dict[str, Recipe] = {
     "best": Recipe(
-        PruneSpec(budget=_LAYER, start=ALPSStart(), refine=NoRefine(), weights=StartWeights()),
+        _ALPS,
         BLOCK_TUNE_EPOCHS,
         "ALPS's mask and weights, then block tuning: the lowest perplexity measured in the main job's budget",
     ),
@@ -103,11 +105,7 @@ RECIPES: dict[str, Recipe] = {
         0,
         "ADMM pruning (Boza 2024) as published",
     ),
-    "alps": Recipe(
-        PruneSpec(budget=_LAYER, start=ALPSStart(), refine=NoRefine(), weights=StartWeights()),
-        0,
-        "ALPS (Meng et al. 2024) as published",
-    ),
+    "alps": Recipe(_ALPS, 0, "ALPS (Meng et al. 2024) as published"),
 }
 """Every named recipe. With ``nm`` a layer-wise recipe selects per row (N:M fixes every row's count)."""
 

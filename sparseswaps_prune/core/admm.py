@@ -57,7 +57,7 @@ from sparseswaps_prune.core.checks import (
     check_weight,
     kept_per_row,
 )
-from sparseswaps_prune.core.select import keep_top, select_mask
+from sparseswaps_prune.core.select import keep_top, select_mask_unchecked
 
 # The original's defaults: percdamp=0.1 (passed by prune_admm), rho=1, iters=20, iterative_prune=15.
 ADMM_DAMP = 0.1
@@ -254,10 +254,10 @@ def _selector(
             outside = scores.masked_fill(keep_nm, torch.inf)
             return keep_top(outside.reshape(1, -1), numel - pruned).reshape(d_out, d_in).T
         if scope == "layer":  # the original re-selects at the full sparsity (no schedule)
-            return select_mask(scores, sparsity=sparsity, scope="layer").T
+            return select_mask_unchecked(scores, sparsity=sparsity, scope="layer").T
         cur = fraction(step, sparsity)
         if cur is None:
-            return select_mask(scores, sparsity=sparsity, scope="row").T
+            return select_mask_unchecked(scores, sparsity=sparsity, scope="row").T
         return keep_top(scores, d_in - min(int(d_in * cur), d_in - kept_per_row(sparsity, d_in))).T
 
     return select

@@ -55,7 +55,7 @@ from sparseswaps_prune.core.checks import (
     check_weight,
     kept_per_row,
 )
-from sparseswaps_prune.core.select import select_mask
+from sparseswaps_prune.core.select import select_mask_unchecked
 
 # The original's defaults (rho=0.1 is what opt.py/llama.py pass).
 ALPS_DAMP = 0.01
@@ -167,7 +167,7 @@ def alps_prune(
     _check_common(rho, cg_iters, cg_rtol, damp, dtype)
 
     def project(values: torch.Tensor) -> torch.Tensor:  # [d_in, d_out] -> keep mask, same layout
-        return select_mask(values.abs().T, sparsity=sparsity, nm=nm, scope=scope).T
+        return select_mask_unchecked(values.abs().T, sparsity=sparsity, nm=nm, scope=scope).T
 
     if nm is not None:
         kept = d_out * (d_in // nm[1]) * nm[0]

@@ -7,12 +7,51 @@ import math
 import torch
 
 
-def check_int(value: object, name: str, *, low: int | None = None) -> int:
-    """Return ``value`` if it is an int (not a bool) ``>= low``; else raise naming ``name``."""
+def check_int(
+    value: object, name: str, *, low: int | None = None, below: int | None = None, none_ok: bool = False
+) -> int | None:
+    """Return ``value`` if it is an int (not a bool) in ``[low, below)`` (either bound optional), or None with
+    ``none_ok``; else raise naming ``name`` and the accepted range (``TypeError`` for another type, ``ValueError``
+    out of range)."""
+    if value is None and none_ok:
+        return None
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {value!r}")
-    if low is not None and value < low:
-        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+        error: type[Exception] = TypeError
+    elif (low is not None and value < low) or (below is not None and value >= below):
+        error = ValueError
+    else:
+        return value
+    raise error(f"{name} must be {_int_range(low, below)}{' or None' if none_ok else ''}, got {value!r}")
+
+
+def _int_range(low: int | None, below: int | None) -> str:
+    """``"a positive int"``, ``"an int >= 0"``, ``"an int in [0, 2**64)"``, ``"an int"``."""
+    if below is not None:
+        top = f"2**{below.bit_length() - 1}" if below >= 2**32 and below & (below - 1) == 0 else str(below)
+        return f"an int in [{low}, {top})" if low is not None else f"an int < {top}"
+    if low is None:
+        return "an int"
+    return "a positive int" if low == 1 else f"an int >= {low}"
+
+
+def check_bool(value: object, name: str) -> bool:
+    """Return ``value`` if it is a bool; else raise ``TypeError`` naming ``name``."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {value!r}")
+    return value
+
+
+def check_str(value: object, name: str, *, none_ok: bool = False) -> str | None:
+    """Return ``value`` if it is a str (or None with ``none_ok``); else raise ``TypeError`` naming ``name``."""
+    if not (isinstance(value, str) or (value is None and none_ok)):
+        raise TypeError(f"{name} must be a str{' or None' if none_ok else ''}, got {value!r}")
+    return value
+
+
+def check_choice(value: object, name: str, choices: tuple[str, ...]) -> str:
+    """Return ``value`` if it is one of ``choices``; else raise ``ValueError`` naming ``name`` and the choices."""
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
     return value
 
 
@@ -199,3 +238,38 @@ def check_keeps_some(sparsity: float | None, count: int, what: str) -> None:
 def kept_per_row(sparsity: float, d_in: int) -> int:
     """Number of weights each row keeps at ``sparsity``: ``d_in - round(sparsity * d_in)``."""
     return d_in - round(sparsity * d_in)
+
+
+# Above this |W| * sqrt(max diag G) the products a weight stage forms may overflow (float32 holds 3.4e38); a trained
+# model's layers stay far below it.
+HUGE_SCALE = 1e15
+
+
+def check_finite_weights(
+    weight: torch.Tensor, gram: torch.Tensor, stages: list[tuple[str, str, torch.Tensor | None]]
+) -> None:
+    """Raise ``ValueError`` naming the stage, the rows and the likely cause when a stage's weights are not all
+    finite, so that a NaN is never written into a model.
+
+    Args:
+        weight, gram: the layer's original weights and Gram (for the cause).
+        stages: ``(stage, method, weights or None)`` per stage, e.g. ``("start", "alps", start_weight)``.
+    """
+    for stage, method, tensor in stages:
+        if tensor is None:
+            continue
+        bad = ~torch.isfinite(tensor).all(dim=1)
+        if not bool(bad.any()):
+            continue
+        rows = torch.nonzero(bad).flatten().tolist()
+        peak, diag = float(weight.abs().max()), float(torch.diagonal(gram).max())
+        cause = (
+            f"weights of magnitude up to {peak:.3g} overflow its arithmetic; rescale or clip them"
+            if peak * max(diag, 0.0) ** 0.5 > HUGE_SCALE
+            else f"{method} broke down numerically (largest weight {peak:.3g}, largest Gram diagonal {diag:.3g}); "
+            "check the calibration inputs, or raise the stage's damp"
+        )
+        raise ValueError(
+            f"the {stage} stage ({method}) returned non-finite weights in {len(rows)} of {weight.shape[0]} rows "
+            f"(rows {rows[:5]}{', ...' if len(rows) > 5 else ''}): {cause}"
+        )

@@ -1,6 +1,10 @@
 """The per-layer seam: :func:`prune_layer` runs one layer's stages (start -> refine -> weights) from a
 :class:`~sparseswaps_prune.core.spec.PruneSpec` and returns a :class:`LayerOutcome`.
 
+It validates the tensors once, then composes the stages through their one method each
+(:mod:`~sparseswaps_prune.core.stages`: ``select``, ``refine``, ``fit``), checks that no stage returned a
+non-finite weight and applies the held-out guard; it knows no stage by type.
+
 Every entry point (the Hugging Face pipeline, the torch prune method, the Lightning callback) calls this one
 function and writes what it returns; none re-implements a stage or recomputes a loss. Tensors in, tensors out:
 no module, no I/O.
@@ -13,39 +17,20 @@ from dataclasses import dataclass
 
 import torch
 
-from sparseswaps_prune.core.admm import admm_prune, admm_update
-from sparseswaps_prune.core.alps import alps_prune, alps_update
 from sparseswaps_prune.core.checks import (
     check_budget,
     check_device,
+    check_finite_weights,
     check_gram,
     check_keeps_some,
     check_mask,
     check_weight,
 )
-from sparseswaps_prune.core.dsnot import dsnot_refine
-from sparseswaps_prune.core.losses import row_losses, weight_losses
-from sparseswaps_prune.core.refine import refine_mask
-from sparseswaps_prune.core.refit import refit_weights
-from sparseswaps_prune.core.select import keep_top, select_mask
-from sparseswaps_prune.core.sparsegpt import sparsegpt_prune
-from sparseswaps_prune.core.spec import (
-    SPARSESWAPS_SPEC,
-    ADMMStart,
-    ADMMUpdate,
-    ALPSUpdate,
-    DSnoTRefine,
-    LeastSquares,
-    OBSUpdate,
-    PruneSpec,
-    ScoreStart,
-    SparseGPTStart,
-    StartWeights,
-    SwapRefine,
-)
-from sparseswaps_prune.core.warmstart import importance_scores
+from sparseswaps_prune.core.losses import weight_losses_unchecked
+from sparseswaps_prune.core.spec import SPARSESWAPS_SPEC, PruneSpec
+from sparseswaps_prune.core.stages import FeatureStats, StageContext, mask_losses
 
-FeatureStats = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+__all__ = ["FeatureStats", "LayerOutcome", "StageLosses", "prune_layer"]
 
 
 @dataclass
@@ -135,48 +120,6 @@ def _mean(row_updated: torch.Tensor) -> float:
     return float(row_updated.double().mean())
 
 
-def start_stage(
-    weight: torch.Tensor, gram: torch.Tensor, spec: PruneSpec, prior_mask: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The start stage: ``[d_out, d_in]`` bool mask under ``spec.budget`` (True = kept), and the weights the start
-    computed for it (``weight``'s dtype, zero off the mask) when ``spec.weights`` is
-    :class:`~sparseswaps_prune.core.spec.StartWeights` or a guarded update (the guard's fallback), else None.
-
-    With ``prior_mask`` (an already pruned tensor) every row prunes ``sparsity`` of its remaining weights by the
-    start's scores, among the entries ``prior_mask`` keeps; ``weight`` must already be zero off it.
-    """
-    budget, start = spec.budget, spec.start
-    want_weights = isinstance(spec.weights, StartWeights) or getattr(spec.weights, "guard", False)
-    pattern = {"sparsity": budget.sparsity, "nm": budget.nm, "scope": budget.scope}
-    if prior_mask is not None and not bool(prior_mask.all()):
-        if budget.nm is not None or not isinstance(start, ScoreStart):
-            raise ValueError(
-                f"{'N:M' if budget.nm else start.name} pruning of an already pruned tensor is not supported; make "
-                "the earlier pruning permanent (prune.remove), start from the dense weights, or prune it again with "
-                "a score start per row or layer (e.g. the default spec, SPARSESWAPS_SPEC)"
-            )
-        scores = importance_scores(weight, start.score, gram).masked_fill(~prior_mask, float("-inf"))
-        kept = prior_mask.sum(dim=1, keepdim=True)
-        return keep_top(scores, kept - torch.round(budget.sparsity * kept).long()) & prior_mask, None
-    if isinstance(start, ScoreStart):
-        return select_mask(importance_scores(weight, start.score, gram), **pattern), None
-    if isinstance(start, SparseGPTStart):
-        out = sparsegpt_prune(
-            weight, gram, **pattern, damp=start.damp, blocksize=start.blocksize, update_weights=want_weights
-        )
-    elif isinstance(start, ADMMStart):
-        out = admm_prune(
-            weight, gram, **pattern, iters=start.iters, reselect_iters=start.reselect_iters, rho=start.rho,
-            damp=start.damp,
-        )  # fmt: skip
-    else:
-        out = alps_prune(
-            weight, gram, **pattern, rho=start.rho, max_iter=start.max_iter, update_iter=start.update_iter,
-            switch_iter=start.switch_iter, cg_iters=start.cg_iters, cg_rtol=start.cg_rtol, damp=start.damp,
-        )  # fmt: skip
-    return out.keep_mask, out.weight if want_weights else None
-
-
 def prune_layer(
     weight: torch.Tensor,
     gram: torch.Tensor,
@@ -238,6 +181,7 @@ def _prune_layer(
 ) -> LayerOutcome:
     if not isinstance(spec, PruneSpec):
         raise TypeError(f"spec must be a PruneSpec (e.g. build_spec(...)), got {type(spec).__name__}")
+    # every input is validated here, once; the stages trust them (the spec validated itself when built)
     check_weight(weight)
     check_gram(gram, weight.shape[1])
     if device is not None:
@@ -253,143 +197,57 @@ def _prune_layer(
     weight = weight.detach()  # a Parameter's graph must not reach the outcome's losses
     if prior_mask is not None:
         check_mask(prior_mask, weight, what="prior_mask")
-        weight = torch.where(prior_mask, weight, 0.0)
-    refine = spec.refine
-    if isinstance(refine, DSnoTRefine) and feature_stats is None:
-        raise ValueError(
-            "refine=DSnoTRefine needs feature_stats=(mean, var, sq_mean) from GramAccumulator.feature_stats"
-        )
-    started = time.perf_counter()
-    start, start_weight = start_stage(weight, gram, spec, prior_mask)
-    mask, searched_weight = start, None
-    n_swaps, iters = torch.zeros(weight.shape[0], dtype=torch.long), 0
-    if isinstance(refine, SwapRefine):
-        fit = {"damp": spec.weights.damp, "ridge": spec.weights.ridge} if refine.objective == "refit" else {}
-        refined = refine_mask(
-            weight, gram, start, max_iters=refine.max_iters, nm=budget.nm, eps=refine.eps, device=device,
-            dtype=getattr(torch, refine.search_dtype), backend=refine.backend, resync_every=refine.resync_every,
-            objective=refine.objective, scope=refine.scope or budget.scope, **fit,
-        )  # fmt: skip
-        mask, n_swaps, iters, searched_weight = refined.mask, refined.n_swaps, refined.iters, refined.weight
-        loss_start, loss_refined = refined.loss_before, refined.loss_after
-    else:
-        if isinstance(refine, DSnoTRefine) and not (refine.skip and name and f".{refine.skip}." in name):
-            mean, var, sq_mean = feature_stats
-            dsnot = dsnot_refine(
-                weight, start, feature_mean=mean, feature_var=var, feature_sq_mean=sq_mean, nm=budget.nm,
-                max_cycles=refine.max_cycles, update_threshold=refine.update_threshold,
-            )  # fmt: skip
-            mask, n_swaps, iters = dsnot.mask, dsnot.n_updates, dsnot.n_cycles
-        loss_start = row_losses(weight, gram, start)
-        loss_refined = loss_start if mask is start else row_losses(weight, gram, mask)
+        prior_mask = None if bool(prior_mask.all()) else prior_mask  # dense: nothing pruned yet
     if prior_mask is not None:
-        mask = mask & prior_mask
+        weight = torch.where(prior_mask, weight, 0.0)
+    ctx = StageContext(spec.weights, prior_mask, feature_stats, name, device)
+    for stage in spec.stages:
+        stage.check_inputs(weight, budget, ctx)
+
+    started = time.perf_counter()
+    start, start_weight = spec.start.select(weight, gram, budget, ctx)
+    refined = spec.refine.refine(weight, gram, start, budget, ctx)
+    mask = refined.mask if prior_mask is None else refined.mask & prior_mask
     seconds_mask = time.perf_counter() - started
 
-    published = isinstance(spec.weights, StartWeights)
-    final = _final_weights(weight, gram, mask, spec, start_weight if published else searched_weight, device)
-    _check_finite_weights(weight, gram, spec, start_weight, searched_weight, final)  # before anything is written
+    final = spec.weights.fit(weight, gram, mask, ctx, start_weight=start_weight, refined_weight=refined.weight)
+    check_finite_weights(  # before anything is written
+        weight, gram, [(role, stage.name, tensor) for role, stage, tensor in zip(
+            ("start", "refine", "weight"), spec.stages, (start_weight, refined.weight, final), strict=True
+        )],
+    )  # fmt: skip
     holdout, row_updated = None, None if final is None else torch.ones(weight.shape[0], dtype=torch.bool)
     if holdout_gram is not None:
-        held_refined = row_losses(weight, holdout_gram, mask)
+        held_refined = mask_losses(weight, holdout_gram, mask)
         held_final = held_refined
         if final is not None:
-            held_final = weight_losses(weight, final, holdout_gram)
+            held_final = weight_losses_unchecked(weight, final, holdout_gram)
             if spec.weights.guard:
                 # a row rejecting the update keeps the start's weights where its mask is still the start's (ADMM,
                 # ALPS, SparseGPT compensate), else its original weights on the mask
                 fallback, held_fallback = torch.where(mask, weight, 0.0), held_refined
-                if start_weight is not None and not published:
+                if start_weight is not None and not spec.weights.keeps_start_weights:
                     unchanged = (mask == start).all(dim=1)
                     fallback[unchanged] = start_weight[unchanged].to(fallback.dtype)
-                    held_fallback = weight_losses(weight, fallback, holdout_gram)
+                    held_fallback = weight_losses_unchecked(weight, fallback, holdout_gram)
                 better = held_final < held_fallback
                 final = torch.where(better[:, None], final, fallback)
                 held_final = torch.where(better, held_final, held_fallback)
                 row_updated = better.cpu()
         holdout = StageLosses(
-            start=row_losses(weight, holdout_gram, start).cpu(), refined=held_refined.cpu(), final=held_final.cpu()
+            start=mask_losses(weight, holdout_gram, start).cpu(), refined=held_refined.cpu(), final=held_final.cpu()
         )
-    loss_final = loss_refined if final is None else weight_losses(weight, final, gram)
+    loss_final = refined.loss_refined if final is None else weight_losses_unchecked(weight, final, gram)
     return LayerOutcome(
         keep_mask=mask,
         start_mask=start,
         weight=final,
-        loss=StageLosses(start=loss_start.cpu(), refined=loss_refined.cpu(), final=loss_final.cpu()),
+        loss=StageLosses(refined.loss_start.cpu(), refined.loss_refined.cpu(), loss_final.cpu()),
         holdout=holdout,
-        n_swaps=n_swaps.cpu(),
-        iters=iters,
+        n_swaps=refined.n_swaps.cpu(),
+        iters=refined.iters,
         updated_rows=None if row_updated is None else _mean(row_updated),
         seconds_mask=seconds_mask,
         seconds_weights=time.perf_counter() - started - seconds_mask,
         row_updated=row_updated,
     )
-
-
-def _final_weights(
-    weight: torch.Tensor,
-    gram: torch.Tensor,
-    mask: torch.Tensor,
-    spec: PruneSpec,
-    computed: torch.Tensor | None,
-    device: torch.device | str | None,
-) -> torch.Tensor | None:
-    """The weight stage (before the held-out guard): ``[d_out, d_in]`` in ``weight``'s dtype and device, or None
-    when the weights are kept. ``computed``: weights an earlier stage already computed for ``mask`` (the start's,
-    or the re-fit objective's exact re-fit)."""
-    stage = spec.weights
-    if isinstance(stage, StartWeights) or (isinstance(stage, LeastSquares) and computed is not None):
-        return computed.to(device=weight.device, dtype=weight.dtype)
-    compute = weight.device if device is None else torch.device(device)
-    w, keep = weight.to(compute), mask.to(compute)
-    if isinstance(stage, LeastSquares):
-        fitted = refit_weights(w, gram.to(compute), keep, damp=stage.damp, ridge=stage.ridge, solver=stage.solver)
-    elif isinstance(stage, OBSUpdate):
-        fitted = sparsegpt_prune(w, gram, keep_mask=keep, damp=stage.damp).weight
-    elif isinstance(stage, ADMMUpdate):
-        fitted = admm_update(w, gram.to(compute), keep, iters=stage.iters, rho=stage.rho, damp=stage.damp)
-    elif isinstance(stage, ALPSUpdate):
-        fitted = alps_update(
-            w, gram.to(compute), keep, admm_iters=stage.admm_iters, rho=stage.rho, cg_iters=stage.cg_iters,
-            cg_rtol=stage.cg_rtol, damp=stage.damp,
-        )  # fmt: skip
-    else:
-        return None
-    return fitted.to(weight.device)
-
-
-# Above this |W| * sqrt(max diag G) the products a weight stage forms may overflow (float32 holds 3.4e38); a trained
-# model's layers stay far below it.
-HUGE_SCALE = 1e15
-
-
-def _check_finite_weights(
-    weight: torch.Tensor,
-    gram: torch.Tensor,
-    spec: PruneSpec,
-    start: torch.Tensor | None,
-    searched: torch.Tensor | None,
-    final: torch.Tensor | None,
-) -> None:
-    """Raise ``ValueError`` naming the stage, the rows and the likely cause when a stage's weights (the start's, the
-    refinement's re-fit, the weight stage's) are not all finite, so that a NaN is never written into a model."""
-    stages = ("start", "refine", "weight"), (spec.start, spec.refine, spec.weights), (start, searched, final)
-    for stage, kind, tensor in zip(*stages, strict=True):
-        method = kind.name
-        if tensor is None:
-            continue
-        bad = ~torch.isfinite(tensor).all(dim=1)
-        if not bool(bad.any()):
-            continue
-        rows = torch.nonzero(bad).flatten().tolist()
-        peak, diag = float(weight.abs().max()), float(torch.diagonal(gram).max())
-        cause = (
-            f"weights of magnitude up to {peak:.3g} overflow its arithmetic; rescale or clip them"
-            if peak * max(diag, 0.0) ** 0.5 > HUGE_SCALE
-            else f"{method} broke down numerically (largest weight {peak:.3g}, largest Gram diagonal {diag:.3g}); "
-            "check the calibration inputs, or raise the stage's damp"
-        )
-        raise ValueError(
-            f"the {stage} stage ({method}) returned non-finite weights in {len(rows)} of {weight.shape[0]} rows "
-            f"(rows {rows[:5]}{', ...' if len(rows) > 5 else ''}): {cause}"
-        )

@@ -11,13 +11,14 @@ Row models (one per objective):
   correlation ``c = G r``, updated by ``c += w_u G[:, u] - w_p G[:, p]``. The best swap is searched in the compute
   dtype (float32 by default) on a backend (:mod:`~sparseswaps_prune.core.backends`), then its ``dL`` is re-evaluated
   in float64 (:func:`~sparseswaps_prune.core.losses.swap_delta`), so an accepted swap never raises the float64 loss.
-* :class:`RefitRows`, the re-fit objective (the damped loss after re-fitting the kept weights): the float64
-  :class:`~sparseswaps_prune.core.refit_swaps.RefitState` and its exact rank-one updates (``engine="torch"``, the
-  reference, any device), or the compiled CPU engine
-  :class:`~sparseswaps_prune.core.backends.refit_numba.NumbaRefitState` (``engine="numba"``: the same state with
-  lazy low-rank updates, restore vectors from the Gram and a pair scan that skips pruned inputs by an exact bound),
-  or on CUDA the torch state with the pair scan and the ``[R, K, Q]`` updates fused into Triton kernels
-  (``engine="triton"``, :mod:`~sparseswaps_prune.core.backends.refit_triton`).
+* :class:`RefitRows`, the re-fit objective (the damped loss after re-fitting the kept weights): a float64 state and
+  its exact rank-one updates behind one engine contract
+  (:class:`~sparseswaps_prune.core.backends.refit_engine.RefitEngine`): the torch reference
+  :class:`~sparseswaps_prune.core.backends.refit_engine.TorchRefitEngine` (``engine="torch"``, any device), the
+  compiled CPU engine :class:`~sparseswaps_prune.core.backends.refit_numba.NumbaRefitState` (``engine="numba"``: the
+  state with lazy low-rank updates, restore vectors from the Gram and a pair scan that skips pruned inputs by an exact
+  bound), or on CUDA that lazy state with its scan and moves in Triton kernels (``engine="triton"``,
+  :class:`~sparseswaps_prune.core.backends.refit_lazy_triton.TritonRefitState`).
 
 Planners (one per scope):
 
@@ -41,9 +42,7 @@ import numpy as np
 import torch
 
 from sparseswaps_prune.core import refit_swaps as rs
-from sparseswaps_prune.core.backends import best_swaps, resolve_backend, resolve_refit_backend, triton_available
-from sparseswaps_prune.core.backends.refit_lazy import LazyRefitState
-from sparseswaps_prune.core.backends.refit_numba import NumbaRefitState
+from sparseswaps_prune.core.backends import best_swaps, refit_engine_class, resolve_backend, resolve_refit_backend
 from sparseswaps_prune.core.checks import (
     check_budget,
     check_device,
@@ -243,16 +242,14 @@ class MaskRows:
 
 
 class RefitRows:
-    """Re-fit-objective row model of ``N`` rows: one :class:`~sparseswaps_prune.core.refit_swaps.RefitState`
-    (``engine="torch"``, or ``"triton"``: the same state through the fused kernels of
-    :mod:`~sparseswaps_prune.core.backends.refit_triton`) or a lazy state with pending rank-one terms,
-    :class:`~sparseswaps_prune.core.backends.refit_numba.NumbaRefitState` (``engine="numba"``, CPU) or
-    :class:`~sparseswaps_prune.core.backends.refit_lazy.LazyRefitState` (``engine="lazy"``); handles = slots.
-    The engines choose the same swaps (the float64 argmin, ties to the smallest input indices).
+    """Re-fit-objective row model of ``N`` rows: the float64 state of one re-fit engine (the contract
+    :class:`~sparseswaps_prune.core.backends.refit_engine.RefitEngine`, chosen once by name:
+    :func:`~sparseswaps_prune.core.backends.refit_engine_class`); handles = slots. The engines choose the same swaps
+    (the float64 argmin, ties to the smallest input indices).
 
     Attributes:
         keep: ``[N, d]`` bool mask, updated in place.
-        state: the float64 state of ``keep`` (the torch one is replaced by a larger one when rows need more slots).
+        state: the engine holding the float64 state of ``keep``.
         rounding: ``[N]`` float64 rounding floor of the state, ``ACCEPT_RTOL * w^T G w`` (on ``w64``'s device).
         fitted_before: ``[N, d]`` float64 re-fitted weights of the input mask.
     """
@@ -280,10 +277,9 @@ class RefitRows:
             cross: rows will trade weights (layer scope): every row gets a spare kept and pruned slot (more are
                 added when needed), and the whole state must fit in ``LAYER_STATE_BYTES``.
             row_index: ``[N]`` int64 layer indices of the rows, for error messages (default ``0 .. N - 1``).
-            engine: ``"torch"`` (the reference, any device), ``"numba"`` (compiled, CPU tensors only),
-                ``"triton"`` (fused kernels, CUDA tensors, or CPU ones in the Triton interpreter) or ``"lazy"``
-                (:class:`~sparseswaps_prune.core.backends.refit_lazy.LazyRefitState`, any device: the numba
-                engine's pending rank-one terms in torch, its scan the Triton kernel on CUDA).
+            engine: ``"torch"`` (the reference, any device), ``"numba"`` (compiled, CPU tensors only) or
+                ``"triton"`` (the lazy state's Triton kernels: CUDA tensors, or CPU ones in the Triton interpreter),
+                as ``backends.resolve_refit_backend`` names them.
 
         Raises:
             ValueError: a singular ``G_SS + lambda I`` (names the rows), or (``cross``) a state over
@@ -291,19 +287,9 @@ class RefitRows:
         """
         rows, d = keep.shape
         counts = keep.sum(dim=1)
-        self.k_slots = min(d, int(counts.max()) + int(cross))
-        self.q_slots = min(d, int((d - counts).max()) + int(cross))
-        # lazy: the state with pending rank-one terms, whose scan and moves are its methods
-        self.row_batch, self.lazy, self.triton = row_batch, engine in ("numba", "lazy"), engine == "triton"
-        # the torch state's kernels: scan_swaps, add_outer (and with Triton swap_slots)
-        self.kernels = rs
-        if self.triton:
-            from sparseswaps_prune.core.backends import refit_triton
-
-            self.kernels = refit_triton
-        # slot counts rounded up where Triton kernels read the state (refit_triton.aligned_slots)
-        self.aligned = self.triton or (engine == "lazy" and w64.device.type == "cuda" and triton_available())
-        self._align_slots(d)
+        self.engine = refit_engine_class(engine)
+        self.k_slots = self.engine.slot_count(min(d, int(counts.max()) + int(cross)), d)
+        self.q_slots = self.engine.slot_count(min(d, int((d - counts).max()) + int(cross)), d)
         need = rows * (self.k_slots**2 + self.k_slots * self.q_slots) * 8
         if cross and need > LAYER_STATE_BYTES:
             raise ValueError(
@@ -311,43 +297,23 @@ class RefitRows:
                 f"{need / 2**30:.1f} GiB for this [{rows}, {d}] layer, over the {LAYER_STATE_BYTES / 2**30:.0f} GiB "
                 "limit (refine.LAYER_STATE_BYTES); use scope='row' (memory bounded by row_batch) or objective='mask'"
             )
-        self.w64, self.keep, self.gram64, self.lam, self.m = w64, keep, gram64, lam, m
+        self.w64, self.keep = w64, keep
         self.row_index = (torch.arange(rows) if row_index is None else row_index.cpu()).to(w64.device)
         self.pivot_floor = rs.pivot_floor(gram64, lam)
         self.rounding = rs.ACCEPT_RTOL * ((w64 @ gram64) * w64).sum(dim=1)
-        if self.lazy:  # built on construction
-            lazy_state = NumbaRefitState if engine == "numba" else LazyRefitState
-            self.state = lazy_state(
-                w64, keep, gram64, lam, self.k_slots, self.q_slots, m, row_offset=self.row_index,
-                triton_scan=self.aligned,
-            )  # fmt: skip
-        elif cross or rows > row_batch:  # fill a preallocated (contiguous) state, row batch by row batch
-            self.state = _empty_state(rows, self.k_slots, self.q_slots, w64.device)
-            self.resync(torch.arange(rows, device=w64.device))
-        else:  # one row batch: build it in one go
-            self.state = rs.build_state(w64, keep, gram64, lam, self.k_slots, self.q_slots, row_offset=self.row_index)
+        self.state = self.engine(
+            w64, keep, gram64, lam, self.k_slots, self.q_slots, m, row_offset=self.row_index, row_batch=row_batch
+        )
         self.fitted_before = self.fitted()
 
     def resync(self, rows: torch.Tensor) -> None:
-        """Rebuild the state of ``rows`` (``[n]`` int64) from scratch (Cholesky), in row batches, in place."""
-        if self.lazy:
-            self.state.build(rows, row_offset=self.row_index[rows])
-            return
-        for r0 in range(0, rows.numel(), self.row_batch):
-            sub = rows[r0 : r0 + self.row_batch]
-            fresh = rs.build_state(
-                self.w64[sub], self.keep[sub], self.gram64, self.lam, self.k_slots, self.q_slots,
-                row_offset=self.row_index[sub],
-            )  # fmt: skip
-            self.state.assign(sub, fresh)
+        """Rebuild the state of ``rows`` (``[n]`` int64) from scratch (Cholesky), in place."""
+        self.state.build(rows, row_offset=self.row_index[rows])
 
     def figures(self, rows: torch.Tensor, cross: bool) -> Figures:
         """Best swap of every row in ``rows`` (``[n]`` int64); with ``cross`` also the cheapest removal and the best
         restore (handles are slots)."""
-        if self.lazy:
-            out = list(self.state.scan(rows))
-        else:
-            out = list(self.kernels.scan_swaps(self.state, self.w64, rows, self.pivot_floor, self.m))
+        out = list(self.state.scan(rows))
         if cross:
             out += [
                 *rs.best_removals(self.state, rows),
@@ -355,27 +321,16 @@ class RefitRows:
             ]
         return Figures.on_host(out)
 
-    def _align_slots(self, d: int) -> None:
-        """Round the slot counts up where Triton kernels read the state (:func:`refit_triton.aligned_slots`;
-        ``d``: inputs)."""
-        if self.aligned:
-            from sparseswaps_prune.core.backends.refit_triton import aligned_slots
-
-            self.k_slots, self.q_slots = (aligned_slots(n, d) for n in (self.k_slots, self.q_slots))
-
     def _reserve(self, donors: torch.Tensor, receivers: torch.Tensor) -> None:
         """Add vacant slots when a donor has no vacant pruned slot or a receiver no vacant kept slot."""
         d = self.w64.shape[1]
         k_full = bool((self.state.kept_ok[receivers].all(dim=1)).any())
         q_full = bool((self.state.pruned_ok[donors].all(dim=1)).any())
         if k_full or q_full:
-            self.k_slots = min(d, self.k_slots + (max(1, self.k_slots // 16) if k_full else 0))
-            self.q_slots = min(d, self.q_slots + (max(1, self.q_slots // 16) if q_full else 0))
-            self._align_slots(d)
-            if self.lazy:
-                self.state.grow(self.k_slots, self.q_slots)
-            else:
-                self.state = rs.grow(self.state, self.k_slots, self.q_slots)
+            k_slots = min(d, self.k_slots + (max(1, self.k_slots // 16) if k_full else 0))
+            q_slots = min(d, self.q_slots + (max(1, self.q_slots // 16) if q_full else 0))
+            self.k_slots, self.q_slots = self.engine.slot_count(k_slots, d), self.engine.slot_count(q_slots, d)
+            self.state.grow(self.k_slots, self.q_slots)
 
     def apply(self, swaps: Moves, cross: Moves | None = None) -> None:
         """Apply ``swaps = (rows, kept slot, pruned slot)`` and ``cross = (donor rows, kept slot, receiver rows,
@@ -383,55 +338,22 @@ class RefitRows:
         if cross is not None:
             self._reserve(cross[0], cross[2])
         rows, slot_i, slot_j = swaps
-        if self.lazy:
-            u, p = self.state.swap(rows, slot_i, slot_j)
-        elif self.triton and cross is None:
-            u, p = self.kernels.swap_slots(self.state, rows, slot_i, slot_j, self.gram64)
-        else:
-            u, p = rs.swap_slots(self.state, rows, slot_i, slot_j, self.gram64, self.kernels.add_outer)
+        u, p = self.state.swap(rows, slot_i, slot_j)
         self.keep[rows, u] = False
         self.keep[rows, p] = True
         if cross is None:
             return
         rows, slot_i, receivers, slot_j = cross
         vacant = (~self.state.pruned_ok[rows]).to(torch.int8).argmax(dim=1)
-        if self.lazy:
-            u = self.state.remove(rows, slot_i, vacant)
-        else:
-            incoming = rs.remove_kept(self.state, rows, slot_i, self.kernels.add_outer)
-            rs.place_pruned(self.state, rows, vacant, incoming)
-            u = incoming[0]
+        u = self.state.remove(rows, slot_i, vacant)
         self.keep[rows, u] = False
-        p = self.state.pruned[receivers, slot_j]
         vacant = (~self.state.kept_ok[receivers]).to(torch.int8).argmax(dim=1)
-        if self.lazy:
-            self.state.add(receivers, slot_j, vacant)
-        else:
-            rs.add_pruned(self.state, receivers, slot_j, vacant, self.gram64, outer=self.kernels.add_outer)
+        p = self.state.add(receivers, slot_j, vacant)
         self.keep[receivers, p] = True
-        return None
 
     def fitted(self) -> torch.Tensor:
         """``[N, d]`` float64 re-fitted weights of the current masks (zero off the mask)."""
-        if self.lazy:
-            return self.state.fitted()
-        return rs.fitted_weights(self.state, self.w64.shape[1])
-
-
-def _empty_state(rows: int, k_slots: int, q_slots: int, device: torch.device) -> rs.RefitState:
-    """An all-vacant state (filled by :meth:`RefitRows.resync`)."""
-    f64 = {"dtype": torch.float64, "device": device}
-    return rs.RefitState(
-        kept=torch.zeros(rows, k_slots, dtype=torch.long, device=device),
-        kept_ok=torch.zeros(rows, k_slots, dtype=torch.bool, device=device),
-        pruned=torch.zeros(rows, q_slots, dtype=torch.long, device=device),
-        pruned_ok=torch.zeros(rows, q_slots, dtype=torch.bool, device=device),
-        inv=torch.zeros(rows, k_slots, k_slots, **f64),
-        coef=torch.zeros(rows, k_slots, **f64),
-        resid=torch.zeros(rows, q_slots, **f64),
-        schur=torch.ones(rows, q_slots, **f64),
-        z=torch.zeros(rows, k_slots, q_slots, **f64),
-    )
+        return self.state.fitted()
 
 
 class RowPlanner:
@@ -584,10 +506,10 @@ def refine_mask(
         backend: swap search of the mask objective: ``"auto"`` (compiled numba kernel on CPU, fused Triton kernel
             on CUDA when triton is installed, torch elsewhere), ``"torch"``, ``"numba"`` or ``"triton"``. The
             re-fit objective: ``"auto"`` and ``"numba"`` run its compiled CPU engine
-            (:mod:`~sparseswaps_prune.core.backends.refit_numba`) on the CPU, ``"auto"`` its lazy state with Triton
-            kernels (:mod:`~sparseswaps_prune.core.backends.refit_lazy`) on CUDA when triton is installed,
-            ``"triton"`` the eager state's fused kernels (:mod:`~sparseswaps_prune.core.backends.refit_triton`),
-            ``"torch"`` (and ``"auto"`` elsewhere) its torch reference; all choose the same swaps.
+            (:mod:`~sparseswaps_prune.core.backends.refit_numba`) on the CPU, ``"auto"`` (when triton is installed)
+            and ``"triton"`` on CUDA its lazy state with Triton kernels
+            (:mod:`~sparseswaps_prune.core.backends.refit_lazy_triton`), ``"torch"`` (and ``"auto"`` elsewhere) its
+            torch reference; all choose the same swaps.
         resync_every: rebuild the float64 state (correlation vectors; for the re-fit objective ``H``, ``v``, ``Z``,
             by Cholesky) of the rows that moved from scratch every this many iterations.
         objective: ``"mask"``: minimise the loss of the mask with the original weights, ``r^T G r``.

@@ -3,15 +3,16 @@
 Two solvers for the same problem: ``"direct"`` (batched float64 Cholesky of every row's ``G_SS``, exact,
 ``O(k^3)`` per row) and ``"cg"`` (batched Jacobi-preconditioned conjugate gradients, warm-started from the
 kept original weights; one ``[rows, d_in] @ [d_in, d_in]`` product per step shares ``G`` across all rows,
-so wide layers such as a 14336-input ``down_proj`` stay cheap). :func:`factor_kept`, the kept-set Cholesky of the
-direct solver, is shared with the re-fit objective's swap state (:mod:`~sparseswaps_prune.core.refit_swaps`).
+so wide layers such as a 14336-input ``down_proj`` stay cheap). The kept-set Cholesky of the direct solver,
+:func:`~sparseswaps_prune.core.backends.refit_state.factor_kept`, is shared with the re-fit objective's swap state
+and lives with it among the backends (importable from here too).
 """
 
 from __future__ import annotations
 
 import torch
 
-from sparseswaps_prune.core.backends.gram_gather import gather_gram
+from sparseswaps_prune.core.backends.refit_state import factor_kept
 from sparseswaps_prune.core.checks import check_gram, check_int, check_mask, check_number, check_weight
 
 # Elements of the [rows, k, k] systems solved at once when the caller gives no row_batch (16 MiB float64). Small
@@ -36,54 +37,6 @@ def damping(gram64: torch.Tensor, damp: float, ridge: str = "mean") -> float | t
     if ridge == "diag":
         return damp * torch.diagonal(gram64).clone()
     return damp * float(torch.diagonal(gram64).mean())
-
-
-def factor_kept(
-    gram64: torch.Tensor,
-    keep: torch.Tensor,
-    lam: float | torch.Tensor,
-    n_slots: int,
-    *,
-    row_offset: int | torch.Tensor = 0,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Cholesky factor of every row's kept-set system ``G_SS + lambda I``, padded to ``n_slots`` slots.
-
-    Args:
-        gram64: ``[d, d]`` float64 Gram matrix; keep: ``[R, d]`` bool kept mask (neither modified).
-        lam: absolute damping ``lambda`` (:func:`damping`): a float, or ``[d]`` float64 per input (the system is
-            then ``G_SS + diag(lambda_S)``).
-        n_slots: slot count ``K >= max_i k_i``; rows keeping fewer inputs get an identity block in the spare slots.
-        row_offset: layer index of row 0 (an int), or ``[R]`` int64 layer indices, for the error message.
-
-    Returns:
-        ``slots`` ``[R, K]`` int64: each row's kept inputs ascending, then (spare slots) its first pruned inputs;
-        ``valid`` ``[R, K]`` bool: the slot holds a kept input; ``factor`` ``[R, K, K]`` float64 lower Cholesky
-        factor of ``G_SS + lambda I`` (identity rows and columns at spare slots).
-
-    Raises:
-        ValueError: ``G_SS + lambda I`` is not positive definite for some rows (names them; raise ``damp``).
-    """
-    counts = keep.sum(dim=1)
-    # kept inputs first (ascending), then the pruned ones
-    slots = torch.sort((~keep).to(torch.int8), dim=1, stable=True).indices[:, :n_slots]
-    valid = torch.arange(n_slots, device=keep.device) < counts[:, None]
-    system = gather_gram(gram64, slots, slots)
-    system.diagonal(dim1=1, dim2=2).add_(lam[slots] if isinstance(lam, torch.Tensor) else lam)
-    padded = counts < n_slots
-    if bool(padded.any()):
-        pair_valid = valid[padded, :, None] & valid[padded, None, :]
-        eye = torch.eye(n_slots, dtype=torch.float64, device=keep.device)
-        system[padded] = torch.where(pair_valid, system[padded], eye)
-    factor, info = torch.linalg.cholesky_ex(system)
-    if bool((info != 0).any()):
-        bad = torch.nonzero(info).flatten()
-        named = (row_offset[bad] if isinstance(row_offset, torch.Tensor) else bad + row_offset).tolist()[:5]
-        shown = f"{lam:.3g}" if not isinstance(lam, torch.Tensor) else f"damp * G_jj, min {float(lam.min()):.3g}"
-        raise ValueError(
-            f"G_SS + lambda I is singular for rows {named} (kept inputs with no calibration signal or collinear, "
-            f"lambda={shown}); use damp > 0"
-        )
-    return slots, valid, factor
 
 
 def refit_weights(

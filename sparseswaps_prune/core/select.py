@@ -31,8 +31,20 @@ def select_mask(
     """
     if scope not in ("row", "layer"):
         raise ValueError(f"scope must be 'row' or 'layer', got {scope!r}")
+    check_budget(sparsity, nm, scores.shape[1])
+    return select_mask_unchecked(scores, sparsity=sparsity, nm=nm, scope=scope)
+
+
+def select_mask_unchecked(
+    scores: torch.Tensor,
+    *,
+    sparsity: float | None = None,
+    nm: tuple[int, int] | None = None,
+    scope: Scope = "row",
+) -> torch.Tensor:
+    """:func:`select_mask` without validating the budget, for callers that already did (``prune_layer``, the
+    iterations of ALPS)."""
     d_out, d_in = scores.shape
-    check_budget(sparsity, nm, d_in)
     if nm is not None:
         n, m = nm
         blocks = scores.reshape(d_out, d_in // m, m)

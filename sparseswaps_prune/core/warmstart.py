@@ -34,15 +34,24 @@ def importance_scores(
     if method not in SCORES:
         raise ValueError(f"unknown importance score {method!r}; choose one of {', '.join(SCORES)}")
     check_weight(weight)
+    if method != "magnitude":
+        if gram is None:
+            raise ValueError(
+                f"warmstart {method!r} needs the layer's input Gram matrix (gram=, [d_in, d_in]; only its "
+                "diagonal is used); accumulate it with GramAccumulator or use warmstart='magnitude'"
+            )
+        check_gram(gram, weight.shape[1])
+    return importance_scores_unchecked(weight, method, gram, ria_alpha=ria_alpha)
+
+
+def importance_scores_unchecked(
+    weight: torch.Tensor, method: str, gram: torch.Tensor | None, *, ria_alpha: float = 0.5
+) -> torch.Tensor:
+    """:func:`importance_scores` without validating its inputs, for callers that already did (``prune_layer``:
+    the Gram check reads all of ``G``)."""
     magnitude = weight.detach().abs().to(torch.float32)
     if method == "magnitude":
         return magnitude
-    if gram is None:
-        raise ValueError(
-            f"warmstart {method!r} needs the layer's input Gram matrix (gram=, [d_in, d_in]; only its "
-            "diagonal is used); accumulate it with GramAccumulator or use warmstart='magnitude'"
-        )
-    check_gram(gram, weight.shape[1])
     feature_norm = torch.diagonal(gram).to(device=weight.device, dtype=torch.float32).clamp_min(0).sqrt()
     if method == "wanda":
         return magnitude * feature_norm

@@ -1,4 +1,5 @@
-"""Measuring what deployment gains: size on disk, resident memory and decoding speed, dense against sparse.
+"""Measuring what deployment gains: size on disk, resident memory and decoding speed, dense against sparse; and
+the least size a sparse checkpoint of a model can have (:func:`size_bound`).
 
 Used by ``benchmarks/sparse_inference.py`` and the ``sparseswaps bench`` command. :func:`bench_model_dir` runs the
 whole comparison on a saved model directory (dense ``save_pretrained`` or sparse :func:`~.save_sparse`) and returns
@@ -15,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -22,16 +24,18 @@ import torch
 from torch import nn
 
 from sparseswaps_prune.deploy.checkpoint import is_sparse_checkpoint, load_sparse, save_sparse
-from sparseswaps_prune.deploy.format import DEFAULT_MIN_SPARSITY
+from sparseswaps_prune.deploy.format import DEFAULT_MIN_SPARSITY, packed_width
 from sparseswaps_prune.deploy.linear import SparseLinear
 
 __all__ = [
+    "bench_model",
     "bench_model_dir",
     "decode_speed",
     "decode_speeds",
     "dir_bytes",
     "machine_line",
     "resident_memory",
+    "size_bound",
     "tensor_bytes",
 ]
 
@@ -63,6 +67,70 @@ def tensor_bytes(model: nn.Module) -> int:
             seen.add(key)
             total += storage.nbytes()
     return total
+
+
+def size_bound(model: nn.Module, pruned: Iterable[str], sparsity: float, target_ratio: float = 0.5) -> dict[str, Any]:
+    """The least size a sparse checkpoint of ``model`` can have when the weights named in ``pruned`` are pruned at
+    ``sparsity`` and nothing else is: every other tensor stored as it is, each pruned weight as its bitmask
+    (``rows * ceil(cols / 8)`` bytes) and ``(1 - sparsity)`` of its values (no zero signs, no file header). Reads
+    only shapes and dtypes: ``model`` may live on the ``meta`` device (built from a config, no weights).
+
+    Args:
+        model: the model; tied tensors (the same parameter under two names) count once.
+        pruned: state-dict names of the 2-D weights that are pruned (e.g. the decoder blocks' linear weights).
+        sparsity: fraction of each pruned weight's entries that are zero, in ``[0, 1]``.
+        target_ratio: the size ratio to solve for in ``sparsity_for_target``.
+
+    Returns:
+        A JSON-ready dict, bytes unless said: ``dense_bytes`` (every tensor once, in its dtype), ``unpruned_bytes``
+        (the tensors not in ``pruned``), ``values_bytes``, ``bitmask_bytes``, ``bound_bytes`` (their sum),
+        ``ratio`` (``bound_bytes / dense_bytes``), ``pruned_fraction`` (of the parameters), and
+        ``sparsity_for_target``: the least sparsity of the same weights whose bound is at most ``target_ratio``
+        of the dense bytes (None when even pruning them entirely would not get there).
+
+    Raises:
+        ValueError: a name of ``pruned`` that is not a 2-D tensor of the state dict, or ``sparsity`` outside
+            ``[0, 1]``.
+    """
+    if not 0.0 <= sparsity <= 1.0:
+        raise ValueError(f"sparsity must be in [0, 1], got {sparsity!r}")
+    state = model.state_dict(keep_vars=True)
+    pruned = set(pruned)
+    bad = sorted(name for name in pruned if name not in state or state[name].dim() != 2)
+    if bad:
+        raise ValueError(f"pruned names {bad[:3]} are not 2-D tensors of the model's state dict")
+    seen: set[int] = set()
+    dense = unpruned = kept_values = bitmask = pruned_params = params = 0
+    for name, tensor in state.items():
+        if id(tensor) in seen:
+            continue
+        seen.add(id(tensor))
+        size = tensor.numel() * tensor.element_size()
+        dense += size
+        params += tensor.numel()
+        if name in pruned:
+            rows, cols = tensor.shape
+            kept_values += size
+            bitmask += rows * packed_width(cols)
+            pruned_params += tensor.numel()
+        else:
+            unpruned += size
+    values = kept_values * (1.0 - sparsity)
+    bound = unpruned + values + bitmask
+    room = target_ratio * dense - unpruned - bitmask  # what the kept values may take
+    least = 1.0 - room / kept_values if kept_values else None
+    return {
+        "sparsity": sparsity,
+        "dense_bytes": dense,
+        "unpruned_bytes": unpruned,
+        "values_bytes": values,
+        "bitmask_bytes": bitmask,
+        "bound_bytes": bound,
+        "ratio": bound / dense,
+        "pruned_fraction": pruned_params / params,
+        "target_ratio": target_ratio,
+        "sparsity_for_target": None if least is None or least > 1.0 else max(least, 0.0),
+    }
 
 
 def decode_speeds(
@@ -189,8 +257,32 @@ def _ratio(a: int | None, b: int | None) -> float | None:
     return a / b if a is not None and b else None
 
 
-def bench_model_dir(
-    model_dir: str | os.PathLike[str],
+def bench_model_dir(model_dir: str | os.PathLike[str], **options: Any) -> dict[str, Any]:
+    """:func:`bench_model` of a saved pruned model.
+
+    Args:
+        model_dir: a dense ``save_pretrained`` directory or a sparse checkpoint (:func:`~.save_sparse`).
+        **options: keyword arguments of :func:`bench_model` (``prompt_ids``, ``new_tokens``, ``repeats``,
+            ``threads``, ``min_sparsity``, ``memory``).
+
+    Returns:
+        :func:`bench_model`'s dict, with ``model_dir`` added.
+
+    Raises:
+        FileNotFoundError: ``model_dir`` does not exist.
+    """
+    from transformers import AutoModelForCausalLM
+
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise FileNotFoundError(f"model directory {str(model_dir)!r} does not exist")
+    sparse = is_sparse_checkpoint(model_dir)
+    model = load_sparse(model_dir) if sparse else AutoModelForCausalLM.from_pretrained(model_dir)
+    return {"model_dir": str(model_dir), **bench_model(model, **options)}
+
+
+def bench_model(
+    model: nn.Module,
     *,
     prompt_ids: list[int] | None = None,
     new_tokens: int = 32,
@@ -199,10 +291,13 @@ def bench_model_dir(
     min_sparsity: float = DEFAULT_MIN_SPARSITY,
     memory: bool = True,
 ) -> dict[str, Any]:
-    """Compare a saved pruned model dense against sparse: size on disk, resident memory, tokens per second.
+    """Compare a pruned model dense against sparse: size on disk, resident memory, tokens per second.
+
+    The model is saved twice into a temporary directory (``save_pretrained`` and :func:`~.save_sparse`); the
+    decoding and memory figures are of that sparse save loaded back, densely and sparse, on the CPU.
 
     Args:
-        model_dir: a dense ``save_pretrained`` directory or a sparse checkpoint (:func:`~.save_sparse`).
+        model: a transformers causal LM (on any device; not modified).
         prompt_ids: prompt token ids (default: ``[bos] + 7`` fixed ids, within the sparse kernel's token count).
         new_tokens: tokens generated greedily per run.
         repeats: timed runs per variant (median).
@@ -216,24 +311,13 @@ def bench_model_dir(
         save loaded densely, :func:`~.load_sparse`, and sparse, ``load_sparse(sparse=True)``, their runs interleaved;
         ``speedup``, ``same_tokens``); ``memory`` (the two :func:`resident_memory` results, and
         ``tensor_ratio``/``rss_ratio``/``anon_ratio``); ``sparsified`` (the layers run sparse).
-
-    Raises:
-        FileNotFoundError: ``model_dir`` does not exist.
     """
-    from transformers import AutoModelForCausalLM
-
-    model_dir = Path(model_dir)
-    if not model_dir.is_dir():
-        raise FileNotFoundError(f"model directory {str(model_dir)!r} does not exist")
     if threads is not None:
         import numba
 
         torch.set_num_threads(threads)
         numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
-    sparse_dir_given = is_sparse_checkpoint(model_dir)
-    model = load_sparse(model_dir) if sparse_dir_given else AutoModelForCausalLM.from_pretrained(model_dir)
-    model.eval()
-    result: dict[str, Any] = {"model_dir": str(model_dir), "machine": machine_line()}
+    result: dict[str, Any] = {"machine": machine_line()}
     with tempfile.TemporaryDirectory() as tmp:
         dense_dir, sparse_dir = Path(tmp) / "dense", Path(tmp) / "sparse"
         model.save_pretrained(dense_dir)
@@ -242,7 +326,6 @@ def bench_model_dir(
         result["disk"] = {"dense_bytes": dense_b, "sparse_bytes": sparse_b, "ratio": sparse_b / dense_b}
         bos = getattr(model.config, "bos_token_id", None) or 1
         ids = torch.tensor([prompt_ids if prompt_ids is not None else [bos, 504, 3458, 282, 4649, 314, 253, 1545]])
-        del model
         dense_model = load_sparse(sparse_dir)
         sparse_model = load_sparse(sparse_dir, sparse=True)
         speeds = decode_speeds({"dense": dense_model, "sparse": sparse_model}, ids, new_tokens, repeats)

@@ -25,8 +25,8 @@ Directory layout (self-contained: ``load_sparse(dir)`` needs nothing else):
 
   ``nm`` is the N:M pattern along the rows of the tensor as stored (a GPT-2 ``Conv1D`` stores ``[d_in, d_out]``).
 
-* ``config.json`` (and ``generation_config.json``) of a transformers model, and the tokenizer files when a
-  tokenizer is given.
+* ``config.json`` (and ``generation_config.json``) of a transformers model, its ``architectures`` naming the model
+  class as ``save_pretrained`` writes it, and the tokenizer files when a tokenizer is given.
 
 Getting a transformers model back: :func:`load_sparse` decodes every tensor (checked against the metadata), then
 calls ``<model_class>.from_pretrained(None, config=AutoConfig.from_pretrained(dir), state_dict=..., dtype=...)`` and
@@ -36,6 +36,7 @@ checks that every tensor came out bit for bit. To pass other ``from_pretrained``
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
@@ -276,6 +277,8 @@ def write_sparse_files(
     }
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "save_pretrained"):
+        config = copy.deepcopy(config)
+        config.architectures = [type(model).__name__]  # as save_pretrained records it (the model is not modified)
         config.save_pretrained(directory)
         generation = getattr(model, "generation_config", None)
         if generation is not None and hasattr(generation, "save_pretrained"):
@@ -530,6 +533,7 @@ def load_sparse(
     path: str | os.PathLike[str],
     *,
     sparse: bool = False,
+    dtype: torch.dtype | None = None,
     device: str | torch.device = "cpu",
     **from_pretrained_kwargs: Any,
 ):
@@ -549,9 +553,12 @@ def load_sparse(
     Args:
         path: the checkpoint directory.
         sparse: build ``SparseLinear`` layers (CPU inference) instead of dense weights.
+        dtype: None for the saved dtype (every tensor bit for bit the saved one); another floating dtype casts the
+            weights as ``from_pretrained(dense_save, dtype=dtype)`` casts a dense save of the same model (the tensors
+            are then checked against the saved ones cast the same way). Not with ``sparse=True``.
         device: where to move the model (``"cpu"`` for ``sparse=True``).
         **from_pretrained_kwargs: more options for ``from_pretrained`` (or ``_from_config`` with ``sparse=True``),
-            e.g. ``attn_implementation="eager"``; not ``config``, ``state_dict`` or ``dtype``.
+            e.g. ``attn_implementation="eager"``; not ``config``, ``state_dict`` or ``torch_dtype``.
 
     Returns:
         The model, in eval mode. Its tokenizer, when saved, loads with ``AutoTokenizer.from_pretrained(path)``.
@@ -560,14 +567,17 @@ def load_sparse(
         FileNotFoundError: no checkpoint file, or no ``config.json`` (a checkpoint of a plain ``nn.Module``: use
             :func:`read_sparse_state_dict` and ``load_state_dict``).
         ValueError: see :func:`read_sparse_state_dict`; an unknown model class; a model whose parameters do not
-            match the checkpoint's tensors; ``sparse=True`` with a device other than the CPU.
-        TypeError: a reserved keyword in ``from_pretrained_kwargs``.
+            match the checkpoint's tensors; ``sparse=True`` with a device other than the CPU or with a ``dtype``
+            other than the saved one.
+        TypeError: a reserved keyword in ``from_pretrained_kwargs``; a ``dtype`` that is not a floating dtype.
     """
     from sparseswaps_prune.extras import require
 
-    reserved = sorted({"config", "state_dict", "dtype", "torch_dtype"} & set(from_pretrained_kwargs))
+    reserved = sorted({"config", "state_dict", "torch_dtype"} & set(from_pretrained_kwargs))
     if reserved:
         raise TypeError(f"load_sparse sets {reserved} itself; leave them out of its keyword arguments")
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise TypeError(f"dtype must be None or a floating torch.dtype such as torch.float32, got {dtype!r}")
     if sparse and torch.device(device).type != "cpu":
         raise ValueError(f"sparse=True builds CPU modules (SparseLinear), got device={device!r}; use device='cpu'")
     directory = Path(path)
@@ -594,10 +604,17 @@ def load_sparse(
                 f"{directory}: model class {class_name!r} is not a transformers model class and the config "
                 f"({type(config).__name__}) has no causal-LM class; call read_sparse_state_dict and build it yourself"
             ) from err
-    dtype = _DTYPES.get(metadata.get("dtype") or "", None)
+    saved_dtype = _DTYPES.get(metadata.get("dtype") or "", None)
+    cast = dtype is not None and dtype != saved_dtype
     if sparse:
-        return _build_sparse(directory, metadata, cls, config, dtype, from_pretrained_kwargs)
-    model = cls.from_pretrained(None, config=config, state_dict=state, dtype=dtype, **from_pretrained_kwargs)
+        if cast:
+            raise ValueError(
+                f"sparse=True keeps the saved dtype ({saved_dtype}), got dtype={dtype}; drop dtype, or load densely"
+            )
+        return _build_sparse(directory, metadata, cls, config, saved_dtype, from_pretrained_kwargs)
+    model = cls.from_pretrained(
+        None, config=config, state_dict=state, dtype=dtype if cast else saved_dtype, **from_pretrained_kwargs
+    )
     loaded = model.state_dict()
     missing, extra = sorted(set(state) - set(loaded)), sorted(set(loaded) - set(state))
     if missing or extra:
@@ -607,6 +624,8 @@ def load_sparse(
         )
     for name, tensor in state.items():
         got = loaded[name]
+        if cast and tensor.is_floating_point() and got.is_floating_point():
+            tensor = tensor.to(got.dtype)  # as from_pretrained casts it
         if got.dtype != tensor.dtype or got.shape != tensor.shape or not torch.equal(_bits(got.cpu()), _bits(tensor)):
             raise ValueError(
                 f"{directory}: tensor {name!r} changed while {cls.__name__}.from_pretrained built the model "

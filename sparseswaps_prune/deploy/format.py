@@ -38,6 +38,7 @@ __all__ = [
     "kept_mask",
     "nm_pattern",
     "packed_width",
+    "row_counts",
     "should_encode",
     "zero_fraction",
 ]
@@ -129,7 +130,16 @@ def _check(condition: bool, what: str, name: str) -> None:
         raise ValueError(f"{name}: {what}")
 
 
-_POPCOUNT = np.array([bin(byte).count("1") for byte in range(256)], dtype=np.uint8)
+_POPCOUNT = torch.tensor([bin(byte).count("1") for byte in range(256)], dtype=torch.int64)
+
+
+def row_counts(bitmask: torch.Tensor) -> torch.Tensor:
+    """Set bits per row of a uint8 ``[rows, nbytes]`` bitmask, int64 ``[rows]`` (on the CPU)."""
+    bitmask = bitmask.cpu()
+    counts = torch.zeros(bitmask.shape[0], dtype=torch.int64)
+    for start in range(0, bitmask.shape[1], 256):  # bounded temporaries: rows x 256 int64 at a time
+        counts += _POPCOUNT[bitmask[:, start : start + 256].long()].sum(dim=1)
+    return counts
 
 
 def check_bitmask(
@@ -172,7 +182,7 @@ def check_bitmask(
     packed = bitmask.cpu().numpy()
     if cols % 8 and rows:
         _check(not (packed[:, -1] >> (cols % 8)).any(), f"bitmask has padding bits set past column {cols}", name)
-    count = int(_POPCOUNT[packed].sum(dtype=np.int64))
+    count = int(row_counts(bitmask).sum())
     _check(
         values.numel() == count,
         f"{values.numel()} values for {count} set bits in the bitmask (a truncated or mismatched tensor)",

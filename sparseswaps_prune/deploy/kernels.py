@@ -279,36 +279,24 @@ def _portable_row(mask, row_ptr, values, x, out, r):  # pragma: no cover - compi
         out[t, r] = ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]))
 
 
-@nb.njit(parallel=True, fastmath=False, cache=True)
-def _avx2_parallel(mask, row_ptr, values, x, out):  # pragma: no cover - compiled
-    for r in nb.prange(out.shape[1]):
-        _avx2_row(mask, row_ptr, values, x, out, r)
+def _runner(kernel: str, parallel: bool):
+    """A compiled loop computing every output row ``r`` with ``kernel``'s row function, over numba's threads
+    (``prange``) with ``parallel``, else on the calling thread (``prange`` is ``range`` there). ``kernel`` is a
+    compile-time constant (numba prunes the other branch), and the closure holds only a string and a bool, so
+    that numba's on-disk cache finds each of the four variants again in a new process."""
+
+    @nb.njit(parallel=parallel, fastmath=False, cache=True)
+    def run(mask, row_ptr, values, x, out):  # pragma: no cover - compiled
+        for r in nb.prange(out.shape[1]):
+            if kernel == "avx2":
+                _avx2_row(mask, row_ptr, values, x, out, r)
+            else:
+                _portable_row(mask, row_ptr, values, x, out, r)
+
+    return run
 
 
-@nb.njit(fastmath=False, cache=True)
-def _avx2_serial(mask, row_ptr, values, x, out):  # pragma: no cover - compiled
-    for r in range(out.shape[1]):
-        _avx2_row(mask, row_ptr, values, x, out, r)
-
-
-@nb.njit(parallel=True, fastmath=False, cache=True)
-def _portable_parallel(mask, row_ptr, values, x, out):  # pragma: no cover - compiled
-    for r in nb.prange(out.shape[1]):
-        _portable_row(mask, row_ptr, values, x, out, r)
-
-
-@nb.njit(fastmath=False, cache=True)
-def _portable_serial(mask, row_ptr, values, x, out):  # pragma: no cover - compiled
-    for r in range(out.shape[1]):
-        _portable_row(mask, row_ptr, values, x, out, r)
-
-
-_RUNNERS = {
-    ("avx2", True): _avx2_parallel,
-    ("avx2", False): _avx2_serial,
-    ("portable", True): _portable_parallel,
-    ("portable", False): _portable_serial,
-}
+_RUNNERS = {(kernel, parallel): _runner(kernel, parallel) for kernel in KERNELS for parallel in (True, False)}
 
 PARALLEL_MIN_WORK = 1 << 16
 """Least ``rows * nbytes * batch`` (mask bytes times tokens) for a call to use numba's threads: below it the

@@ -23,7 +23,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from sparseswaps_prune.deploy import kernels
-from sparseswaps_prune.deploy.format import DEFAULT_MIN_SPARSITY, nm_pattern, packed_width, zero_fraction
+from sparseswaps_prune.deploy.format import (
+    DEFAULT_MIN_SPARSITY,
+    nm_pattern,
+    packed_width,
+    row_counts,
+    zero_fraction,
+)
 from sparseswaps_prune.modules import find_layers
 
 __all__ = ["BACKENDS", "DEFAULT_CROSSOVER", "SparseLinear", "SparsifyReport", "sparsify"]
@@ -37,17 +43,6 @@ Measured with ``benchmarks/sparse_inference.py`` (docs/deploy.md): on the 2-core
 speed at 1 token, 1.4-3.8x at 2 to 8 tokens, and 0.7-1.5x at 16 (slower in 2 of the 6 cases)."""
 
 _VALUE_DTYPES = (torch.float32, torch.bfloat16)
-
-
-_POPCOUNT = torch.tensor([bin(byte).count("1") for byte in range(256)], dtype=torch.int64)
-
-
-def row_counts(bitmask: torch.Tensor) -> torch.Tensor:
-    """Set bits per row of a uint8 ``[rows, nbytes]`` bitmask, int64 ``[rows]``."""
-    counts = torch.zeros(bitmask.shape[0], dtype=torch.int64)
-    for start in range(0, bitmask.shape[1], 256):  # bounded temporaries: rows x 256 int64 at a time
-        counts += _POPCOUNT[bitmask[:, start : start + 256].long()].sum(dim=1)
-    return counts
 
 
 def _numpy_values(values: torch.Tensor) -> np.ndarray:

@@ -37,8 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import prune
 
-from sparseswaps_prune.llm.layers import find_blocks
-from sparseswaps_prune.modules import PrunableLayer, check_patterns, find_layers, is_transposed
+from sparseswaps_prune.modules import PrunableLayer, check_patterns, find_blocks, find_layers, is_transposed
 
 logger = logging.getLogger(__name__)
 
@@ -196,7 +195,7 @@ def select_layers(
             blocks), as the pruning pipeline selects them.
         exclude: fnmatch patterns; matching layers are dropped.
         blocks_path: dotted path of the decoder-block ``ModuleList`` (default: found structurally, see
-            :func:`~sparseswaps_prune.llm.layers.find_blocks`); only used when ``include`` is ``None``.
+            :func:`~sparseswaps_prune.modules.find_blocks`); only used when ``include`` is ``None``.
 
     Returns:
         The layers in module order.

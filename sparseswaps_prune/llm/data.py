@@ -5,6 +5,9 @@ Sources, accepted by :func:`load_calibration` and :func:`load_eval_tokens`:
 * ``"builtin"``: English text with no network, the Python documentation topics of the standard
   library (``pydoc_data.topics.topics``, ~465 KB), split into non-overlapping calibration and
   evaluation parts by :func:`builtin_text`. Its content depends on the Python version.
+* ``"stdlib-prose"``: English prose the built-in corpus does not hold, also from the standard library: the
+  text of IDLE's manual (``idlelib/help.html``) and Python's history and license (``LICENSE.txt``), about
+  50 KB (see :func:`stdlib_prose_text`). For measuring on text calibration never touches.
 * ``"c4"``: the first shards of ``allenai/c4`` (English) from the Hugging Face hub, as Wanda and
   SparseGPT use them.
 * ``"wikitext"``: ``wikitext-2-raw-v1`` from the hub (train split to calibrate, test split to
@@ -22,9 +25,11 @@ model's maximum length" warning, since windows are cut afterwards.
 
 from __future__ import annotations
 
+import html.parser
 import json
 import logging
 import os
+import sysconfig
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
@@ -42,7 +47,7 @@ logger = logging.getLogger(__name__)
 BUILTIN_EVAL_EVERY = 5
 """Every ``BUILTIN_EVAL_EVERY``-th unique paragraph of the built-in corpus goes to the eval split."""
 
-NAMED_SOURCES = ("builtin", "c4", "wikitext")
+NAMED_SOURCES = ("builtin", "stdlib-prose", "c4", "wikitext")
 """Source names that are not local paths."""
 
 LOCAL_SUFFIXES = (".txt", ".json", ".jsonl", ".parquet")
@@ -92,6 +97,60 @@ def builtin_text(split: Literal["calib", "eval"]) -> str:
     return "\n\n".join(
         p for i, p in enumerate(paragraphs) if (i % BUILTIN_EVAL_EVERY == BUILTIN_EVAL_EVERY - 1) == to_eval
     )
+
+
+class _SectionText(html.parser.HTMLParser):
+    """The text inside the outermost ``<section>`` elements of an HTML page (a Sphinx page's content, without
+    its navigation), a blank line at each block element."""
+
+    BLOCKS = frozenset({"p", "li", "dt", "dd", "pre", "h1", "h2", "h3", "h4", "section", "div", "tr"})
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.depth, self.parts = 0, []
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        self.depth += tag == "section"
+        if self.depth and tag in self.BLOCKS:
+            self.parts.append("\n\n")
+
+    def handle_endtag(self, tag: str) -> None:
+        self.depth -= tag == "section" and self.depth > 0
+
+    def handle_data(self, data: str) -> None:
+        if self.depth:
+            self.parts.append(data)
+
+
+def stdlib_prose_text() -> str:
+    """Return the ``"stdlib-prose"`` text: English prose from the standard library that the built-in corpus
+    (``pydoc_data.topics``) does not hold, with no network.
+
+    Rule: the text of the sections of IDLE's manual (``idlelib/help.html``: inside its ``<section>``
+    elements, a paragraph per block element; the page's navigation is left out), then Python's history and
+    license (``LICENSE.txt`` beside the standard library); runs of blank lines become one, ``"¶"`` anchors
+    are dropped. About 50 KB; depends on the Python version, like the built-in corpus.
+
+    Raises:
+        FileNotFoundError: this Python installation lacks ``idlelib/help.html`` or ``LICENSE.txt`` (some
+            distributions package IDLE separately); install it, or evaluate on a local text file.
+    """
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    pieces = []
+    for path in (stdlib / "idlelib" / "help.html", stdlib / "LICENSE.txt"):
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"the 'stdlib-prose' source reads {path}, which this Python installation lacks (some "
+                "distributions package IDLE separately); install it or evaluate on a local text file."
+            )
+        text = path.read_text(encoding="utf-8")
+        if path.suffix == ".html":
+            parser = _SectionText()
+            parser.feed(text)
+            text = "".join(parser.parts)
+        pieces.append(text.replace("\u00b6", ""))
+    paragraphs = (p.strip() for p in "\n\n".join(pieces).split("\n\n"))
+    return "\n\n".join(p for p in paragraphs if p)
 
 
 def _texts_from_records(records: Sequence[object], path: Path) -> list[str]:
@@ -467,7 +526,7 @@ def load_calibration(
       from it (as Wanda does).
 
     Args:
-        source: ``"builtin"``, ``"c4"``, ``"wikitext"`` or a local path (see the module docstring).
+        source: ``"builtin"``, ``"stdlib-prose"``, ``"c4"``, ``"wikitext"`` or a local path (see the module docstring).
         tokenizer: A Hugging Face tokenizer.
         nsamples: Number of windows, at least 1.
         seqlen: Tokens per window, at least 1.
@@ -496,6 +555,8 @@ def load_calibration(
     else:
         if source == "builtin":
             text = builtin_text("calib")
+        elif source == "stdlib-prose":
+            text = stdlib_prose_text()
         elif source == "wikitext":
             require("llm", "datasets")
             import datasets
@@ -511,7 +572,7 @@ def load_calibration(
 def load_eval_tokens(source: str, tokenizer: PreTrainedTokenizerBase) -> torch.Tensor:
     """Tokenize an evaluation text into one stream for :func:`~sparseswaps_prune.llm.evaluate.perplexity`.
 
-    * ``"builtin"``: :func:`builtin_text` ``("eval")``.
+    * ``"builtin"``: :func:`builtin_text` ``("eval")``; ``"stdlib-prose"``: :func:`stdlib_prose_text`.
     * ``"wikitext"``: the ``wikitext-2-raw-v1`` test split joined with ``"\\n\\n"`` (the Wanda /
       SparseGPT perplexity protocol).
     * ``"c4"``: the first 1100 documents of shard ``en/c4-validation.00000-of-00008.json.gz``
@@ -520,7 +581,7 @@ def load_eval_tokens(source: str, tokenizer: PreTrainedTokenizerBase) -> torch.T
     * a local path: its documents joined with ``"\\n\\n"``.
 
     Args:
-        source: ``"builtin"``, ``"c4"``, ``"wikitext"`` or a local path.
+        source: ``"builtin"``, ``"stdlib-prose"``, ``"c4"``, ``"wikitext"`` or a local path.
         tokenizer: A Hugging Face tokenizer.
 
     Returns:
@@ -532,6 +593,8 @@ def load_eval_tokens(source: str, tokenizer: PreTrainedTokenizerBase) -> torch.T
     """
     if source == "builtin":
         text = builtin_text("eval")
+    elif source == "stdlib-prose":
+        text = stdlib_prose_text()
     elif source == "wikitext":
         require("llm", "datasets")
         import datasets

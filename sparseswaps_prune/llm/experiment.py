@@ -28,6 +28,8 @@ class Experiment:
         calib_tokens: ``[n, seqlen]`` calibration windows.
         holdout_tokens: ``[h, seqlen]`` held-out calibration windows (layer losses on their Gram), or None.
         eval_tokens: ``[1, N]`` evaluation token stream for perplexity, or None.
+        extra_eval_tokens: more evaluation streams by name (e.g. ``{"stdlib-prose": tokens}``: text calibration
+            never touches); their perplexities are reported under ``"perplexity_extra"``.
         seqlen: perplexity window length.
         eval_windows: at most this many perplexity windows.
         tasks, include_path, task_limit: lm-eval tasks for zero-shot accuracy (see ``evaluate.zero_shot``).
@@ -46,6 +48,7 @@ class Experiment:
         *,
         holdout_tokens: torch.Tensor | None = None,
         eval_tokens: torch.Tensor | None = None,
+        extra_eval_tokens: dict[str, torch.Tensor] | None = None,
         seqlen: int = 256,
         eval_windows: int | None = None,
         tasks: list[str] | None = None,
@@ -56,22 +59,16 @@ class Experiment:
     ) -> None:
         self.model, self.tokenizer = model, tokenizer
         self.calib_tokens, self.holdout_tokens, self.eval_tokens = calib_tokens, holdout_tokens, eval_tokens
+        self.extra_eval_tokens = dict(extra_eval_tokens or {})
         self.seqlen, self.eval_windows, self.device, self.batch_size = seqlen, eval_windows, device, batch_size
         self.tasks, self.include_path, self.task_limit = tasks, include_path, task_limit
         self.dense = {name: value.detach().clone() for name, value in model.state_dict().items()}
 
     def evaluate(self) -> dict[str, Any]:
-        """Perplexity and zero-shot accuracy of the model as it is now (None where not configured)."""
-        ppl = None
-        if self.eval_tokens is not None:
-            ppl = perplexity(
-                self.model,
-                self.eval_tokens,
-                self.seqlen,
-                batch_size=self.batch_size,
-                device=self.device,
-                max_windows=self.eval_windows,
-            )
+        """Perplexity (on ``eval_tokens`` and on each extra stream) and zero-shot accuracy of the model as it is
+        now (None where not configured)."""
+        ppl = None if self.eval_tokens is None else self._perplexity(self.eval_tokens)
+        extra = {name: self._perplexity(tokens) for name, tokens in self.extra_eval_tokens.items()}
         accuracy = None
         if self.tasks:
             accuracy = zero_shot(
@@ -83,7 +80,17 @@ class Experiment:
                 batch_size=self.batch_size,
             )
             self.model.to("cpu")
-        return {"perplexity": ppl, "zero_shot": accuracy}
+        return {"perplexity": ppl, "perplexity_extra": extra, "zero_shot": accuracy}
+
+    def _perplexity(self, tokens: torch.Tensor) -> float:
+        return perplexity(
+            self.model,
+            tokens,
+            self.seqlen,
+            batch_size=self.batch_size,
+            device=self.device,
+            max_windows=self.eval_windows,
+        )
 
     def run(self, options: PruneOptions) -> dict[str, Any]:
         """Restore the dense weights, prune with ``options``, measure; returns one row (JSON-serialisable).

@@ -33,9 +33,10 @@ from typing import Any
 import torch
 
 from sparseswaps_prune.atomic import save_json
-from sparseswaps_prune.core.checks import check_device
+from sparseswaps_prune.core.checks import check_bool, check_choice, check_device, check_int, check_str
 from sparseswaps_prune.core.spec import NoRefine
 from sparseswaps_prune.deploy import write_sparse_files
+from sparseswaps_prune.deploy.bench import bench_model
 from sparseswaps_prune.llm import checkpoint
 from sparseswaps_prune.llm.data import check_source, check_window_budget
 from sparseswaps_prune.llm.distributed import (
@@ -44,15 +45,9 @@ from sparseswaps_prune.llm.distributed import (
     WindowShards,
     check_collective_timeout,
 )
-from sparseswaps_prune.llm.pipeline import (
-    LayerReport,
-    PruneOptions,
-    checkpoint_settings,
-    finalize,
-    masks_swapped,
-    prune_model,
-)
-from sparseswaps_prune.llm.report import format_table, layer_rows, plot_stages, totals, write_csv
+from sparseswaps_prune.llm.io.fingerprints import checkpoint_settings
+from sparseswaps_prune.llm.pipeline import LayerReport, PruneOptions, finalize, masks_swapped, prune_model
+from sparseswaps_prune.llm.report import format_bench, format_table, layer_rows, plot_stages, totals, write_csv
 
 logger = logging.getLogger(__name__)
 
@@ -121,6 +116,11 @@ class JobConfig:
         save_format: ``"dense"`` (``save_pretrained``: the pruned weights with their zeros) or ``"sparse"``
             (:func:`sparseswaps_prune.deploy.write_sparse_files`: a bitmask and the kept values per pruned linear, about
             0.45x the size at 60%; load with :func:`sparseswaps_prune.deploy.load_sparse`). Not with ``blockwise``.
+        bench: after saving, measure what deployment gains (:func:`sparseswaps_prune.deploy.bench.bench_model`, as
+            ``sparseswaps bench``): size on disk, resident memory and greedy-decoding tokens per second of the pruned
+            model dense against sparse, on the CPU; ``report.json`` then holds them under ``bench`` and the summary
+            prints them. Costs a dense and a sparse save into a temporary directory, two loads, a few short
+            generations and two memory-probe processes. Not with ``blockwise`` (which never holds the whole model).
         collective_timeout: with ``distributed``, the seconds a rank waits for the others in one collective
             operation before the run fails with a one-line error naming the ranks that did not answer
             (:class:`~sparseswaps_prune.llm.distributed.CollectiveTimeout`); the CLI's ``--collective-timeout``,
@@ -148,6 +148,7 @@ class JobConfig:
     distributed: bool = False
     collective_timeout: float = DEFAULT_COLLECTIVE_TIMEOUT
     save_format: str = "dense"
+    bench: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict (``from_dict`` inverts it)."""
@@ -162,17 +163,10 @@ class JobConfig:
         """Raise ``ValueError``/``TypeError`` naming the bad option (before anything is loaded or written)."""
         self.prune.validate()
         for name in ("nsamples", "seqlen", "batch_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if isinstance(self.holdout, bool) or not isinstance(self.holdout, int) or self.holdout < 0:
-            raise ValueError(f"holdout must be an int >= 0, got {self.holdout!r}")
-        if self.dtype not in ("float32", "float16", "bfloat16"):
-            raise ValueError(f"dtype must be float32, float16 or bfloat16, got {self.dtype!r}")
-        if self.eval_windows is not None and (
-            isinstance(self.eval_windows, bool) or not isinstance(self.eval_windows, int) or self.eval_windows < 1
-        ):
-            raise ValueError(f"eval_windows must be a positive int or None, got {self.eval_windows!r}")
+            check_int(getattr(self, name), name, low=1)
+        check_int(self.holdout, "holdout", low=0)
+        check_choice(self.dtype, "dtype", ("float32", "float16", "bfloat16"))
+        check_int(self.eval_windows, "eval_windows", low=1, none_ok=True)
         if self.eval is None:
             unused = [f"{name} (--{flag})" for name, flag in _EVAL_OPTIONS if getattr(self, name) != _DEFAULTS[name]]
             if unused:
@@ -182,24 +176,23 @@ class JobConfig:
                 )
         if self.eval is not None and self.seqlen < 2:
             raise ValueError(f"seqlen must be at least 2 to evaluate perplexity, got {self.seqlen}; or set eval=None")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise TypeError(f"seed must be an int, got {self.seed!r}")
-        if not 0 <= self.seed < SEED_LIMIT:
-            raise ValueError(f"seed (--seed) must be an int in [0, 2**64), got {self.seed}")
-        if self.save_format not in ("dense", "sparse"):
-            raise ValueError(f"save_format (--save-format) must be 'dense' or 'sparse', got {self.save_format!r}")
+        check_int(self.seed, "seed (--seed)", low=0, below=SEED_LIMIT)
+        check_choice(self.save_format, "save_format (--save-format)", ("dense", "sparse"))
         if self.blockwise and self.save_format == "sparse":
             raise ValueError(
                 "save_format='sparse' (--save-format sparse) needs the whole pruned model, which blockwise=True "
                 "(--blockwise) never holds: save dense, then convert with sparseswaps_prune.deploy.save_sparse"
             )
+        check_bool(self.bench, "bench (--bench)")
+        if self.blockwise and self.bench:
+            raise ValueError(
+                "bench=True (--bench) measures the whole pruned model, which blockwise=True (--blockwise) never "
+                "holds: drop --bench and run `sparseswaps bench OUT` on the saved model"
+            )
         for name in ("eval_warmstart", "blockwise", "distributed"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+            check_bool(getattr(self, name), name)
         for name in ("model", "gguf_file", "calib", "eval"):
-            value = getattr(self, name)
-            if not (value is None and name != "calib") and not isinstance(value, str):
-                raise TypeError(f"{name} must be a str{'' if name == 'calib' else ' or None'}, got {value!r}")
+            check_str(getattr(self, name), name, none_ok=name != "calib")
         check_device(self.device)
         check_source(self.calib, "calibration")
         if self.eval is not None:
@@ -469,9 +462,24 @@ def run_job(
         return result.layers
 
     _, publish = _save_outputs(write_model, config, out, overwrite=overwrite)
+    if config.bench:  # before publishing: report.json, written last, holds it
+        report["bench"] = _bench(model, tokenizer)
     publish(report)
     _remove_leftovers(out)
     return report if ranks is None else ranks.broadcast(report, src=0)
+
+
+BENCH_PROMPT = "The capital of France is Paris, and"
+"""The prompt of ``bench=True``'s decoding runs (its first 8 tokens: within the sparse kernel's token count)."""
+
+
+def _bench(model: Any, tokenizer: Any) -> dict[str, Any]:
+    """``bench=True``: :func:`~sparseswaps_prune.deploy.bench.bench_model` of the pruned model, with the seconds it
+    took."""
+    start = time.perf_counter()
+    prompt_ids = list(tokenizer(BENCH_PROMPT).input_ids[:8])
+    result = bench_model(model, prompt_ids=prompt_ids)
+    return result | {"seconds": time.perf_counter() - start}
 
 
 def _remove_leftovers(out: Path) -> None:
@@ -689,4 +697,6 @@ def summary(report: dict[str, Any]) -> str:
             f"computed with: batch size {numerics['batch_size']}, {numerics['device']}{threads}, torch "
             f"{numerics['torch']}, transformers {numerics['transformers']}"
         )
+    if report.get("bench"):
+        lines.append(format_bench(report["bench"]))
     return "\n".join(lines)

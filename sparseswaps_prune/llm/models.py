@@ -209,8 +209,10 @@ def load_model(
 
     Args:
         name_or_path: None or :data:`DEFAULT_MODEL` for the packaged SmolLM2-135M GGUF; a path to a
-            ``.gguf`` file; a local directory written by ``save_pretrained``; or a hub repository name
-            (needs the network or a populated Hugging Face cache).
+            ``.gguf`` file; a local directory written by ``save_pretrained``, or a sparse checkpoint directory
+            (``sparseswaps prune --save-format sparse``, :func:`~sparseswaps_prune.deploy.save_sparse`: loaded with
+            :func:`~sparseswaps_prune.deploy.load_sparse`, the same model bit for bit as its dense save); or a hub
+            repository name (needs the network or a populated Hugging Face cache).
         gguf_file: Name of a GGUF file inside the directory / hub repository ``name_or_path``.
         dtype: Floating dtype of the loaded weights (GGUF weights are de-quantized into it).
         device: Device to move the model to.
@@ -226,7 +228,9 @@ def load_model(
         TypeError: ``dtype`` is not a floating ``torch.dtype``.
         ValueError: contradictory arguments (e.g. ``gguf_file`` with the default model); a local safetensors
             checkpoint that is damaged (checked before loading: headers, sizes and offsets, dtypes; one line naming
-            the file and the tensor), or weights that safetensors or torch cannot load (naming the model).
+            the file and the tensor), or weights that safetensors or torch cannot load (naming the model); a
+            truncated or malformed sparse checkpoint (naming the file and the tensor, before any model is built),
+            or a directory holding both a sparse checkpoint and dense weights.
     """
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise TypeError(f"dtype must be a floating torch.dtype such as torch.float32, got {dtype!r}.")
@@ -240,18 +244,23 @@ def load_model(
         kwargs["gguf_file"] = gguf
         kwargs["quantization_config"] = GgufConfig(dequantize=True)
     logger.info("Loading model from %s%s with dtype %s", source, f" (GGUF {gguf})" if gguf else "", dtype)
-    reader = _checked_safetensors(source) if gguf is None else None
-    try:
-        model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
-    except Exception as err:
-        if not _is_load_error(err):
-            raise
-        raise ValueError(
-            f"cannot load the weights of {source} ({type(err).__name__}: {' '.join(str(err).split())[:300]}); "
-            "re-download or re-save the model"
-        ) from err
-    if reader is not None:
-        _check_stored_dtypes(model, reader)
+    if gguf is None and _is_sparse_dir(source):
+        from sparseswaps_prune.deploy import load_sparse
+
+        model = load_sparse(source, dtype=dtype)  # checks every tensor; the dense save's model, bit for bit
+    else:
+        reader = _checked_safetensors(source) if gguf is None else None
+        try:
+            model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+        except Exception as err:
+            if not _is_load_error(err):
+                raise
+            raise ValueError(
+                f"cannot load the weights of {source} ({type(err).__name__}: {' '.join(str(err).split())[:300]}); "
+                "re-download or re-save the model"
+            ) from err
+        if reader is not None:
+            _check_stored_dtypes(model, reader)
     tokenizer = load_tokenizer(source, gguf)
     model.to(device)
     model.eval()
@@ -259,19 +268,42 @@ def load_model(
     return model, tokenizer
 
 
+def _is_sparse_dir(source: str) -> bool:
+    """Whether ``source`` is a local directory holding a sparse checkpoint's weights file
+    (:data:`~sparseswaps_prune.deploy.SPARSE_FILE`, written by ``sparseswaps prune --save-format sparse`` or
+    :func:`~sparseswaps_prune.deploy.save_sparse`); a damaged one counts (loading it says what is wrong).
+
+    Raises:
+        ValueError: the directory also holds dense weights (``save_pretrained``'s): which one to load is ambiguous.
+    """
+    from sparseswaps_prune.deploy import SPARSE_FILE
+
+    directory = Path(source)
+    if not (directory / SPARSE_FILE).is_file():
+        return False
+    dense = [name for name in _DENSE_WEIGHT_NAMES if (directory / name).is_file()]
+    if dense:
+        raise ValueError(
+            f"{source} holds both a sparse checkpoint ({SPARSE_FILE}) and dense weights ({dense[0]}), perhaps of two "
+            "different saves; remove the one you do not want to load"
+        )
+    return True
+
+
 def _checked_safetensors(source: str) -> Any:
-    """The :class:`~sparseswaps_prune.llm.streaming.SafetensorsCheckpoint` of a local directory of safetensors
+    """The :class:`~sparseswaps_prune.llm.io.readers.SafetensorsCheckpoint` of a local directory of safetensors
     weights, which checks every shard's header, sizes and offsets when it is made (raises ``ValueError`` naming the
     file and the tensor); None for anything else (a hub name, a directory of ``.bin`` weights)."""
     directory = Path(source)
     if not directory.is_dir() or not any((directory / name).is_file() for name in _SAFETENSORS_NAMES):
         return None
-    from sparseswaps_prune.llm.streaming import SafetensorsCheckpoint
+    from sparseswaps_prune.llm.io.readers import SafetensorsCheckpoint
 
     return SafetensorsCheckpoint(directory)
 
 
 _SAFETENSORS_NAMES = ("model.safetensors", "model.safetensors.index.json")
+_DENSE_WEIGHT_NAMES = (*_SAFETENSORS_NAMES, "pytorch_model.bin", "pytorch_model.bin.index.json")
 
 
 def _is_load_error(err: BaseException) -> bool:
@@ -282,8 +314,8 @@ def _is_load_error(err: BaseException) -> bool:
 
 def _check_stored_dtypes(model: PreTrainedModel, reader: Any) -> None:
     """Refuse a floating-point parameter or buffer that the checkpoint stores in an integer dtype
-    (:func:`~sparseswaps_prune.llm.streaming.check_stored_dtype`: ``from_pretrained`` casts it into garbage)."""
-    from sparseswaps_prune.llm.streaming import check_stored_dtype
+    (:func:`~sparseswaps_prune.llm.io.readers.check_stored_dtype`: ``from_pretrained`` casts it into garbage)."""
+    from sparseswaps_prune.llm.io.readers import check_stored_dtype
 
     prefix = getattr(model, "base_model_prefix", "") or ""
     for name, tensor in model.state_dict().items():

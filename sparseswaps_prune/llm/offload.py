@@ -32,7 +32,7 @@ import torch
 from torch import nn
 from torch.nn.utils import prune
 
-__all__ = ["check_prunable", "execution_device", "is_dispatched", "is_offloaded", "onloaded"]
+__all__ = ["check_prunable", "execution_device", "is_dispatched", "is_offloaded", "on_device", "onloaded"]
 
 
 def _align_hooks(module: nn.Module) -> list[Any]:
@@ -253,3 +253,17 @@ def onloaded(block: nn.Module, device: torch.device | str) -> Iterator[nn.Module
             set_module_tensor_to_device(tensor.module, tensor.name, "meta")
         for name, original in others.items():
             set_module_tensor_to_device(block, name, original)
+
+
+@contextlib.contextmanager
+def on_device(block: nn.Module, device: torch.device) -> Iterator[None]:
+    """``block`` on ``device`` inside (materialised there when accelerate dispatches it), back outside."""
+    if is_dispatched(block):
+        with onloaded(block, device):
+            yield
+    else:
+        block.to(device)
+        try:
+            yield
+        finally:
+            block.to("cpu")

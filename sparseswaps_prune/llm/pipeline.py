@@ -32,12 +32,20 @@ from sparseswaps_prune.core.layer import LayerOutcome, prune_layer
 from sparseswaps_prune.core.spec import Budget, DSnoTRefine, PruneSpec
 from sparseswaps_prune.llm import block_tune, checkpoint, offload
 from sparseswaps_prune.llm.block_tune import BlockTuneReport, check_tune, tune_block
-from sparseswaps_prune.llm.budgets import BlockLoader, owl_block_sparsities
 from sparseswaps_prune.llm.capture import BlockInputs, capture_block_inputs
 from sparseswaps_prune.llm.checkpoint import STREAMS, dense_key
 from sparseswaps_prune.llm.distributed import Ranks, WindowShards, plan_work, sum_shard_grams
-from sparseswaps_prune.llm.layers import find_blocks, group_by_input
-from sparseswaps_prune.modules import PrunableLayer, apply_mask, find_layers, input_hooks, replace_weight_mask
+from sparseswaps_prune.llm.io.fingerprints import checkpoint_settings
+from sparseswaps_prune.llm.layers import group_by_input
+from sparseswaps_prune.llm.owl import BlockLoader, owl_block_sparsities
+from sparseswaps_prune.modules import (
+    PrunableLayer,
+    apply_mask,
+    find_blocks,
+    find_layers,
+    input_hooks,
+    replace_weight_mask,
+)
 from sparseswaps_prune.recipes import RECIPES, recipe_name
 
 logger = logging.getLogger(__name__)
@@ -71,7 +79,7 @@ class PruneOptions:
             width (:mod:`~sparseswaps_prune.llm.distributed`). No effect without ranks.
         sparsity_profile: ``"uniform"`` (every block at the spec's sparsity) or ``"owl"``: OWL's non-uniform block
             budgets (:mod:`sparseswaps_prune.core.budgets`), from one dense forward of the calibration windows before
-            the first block (:mod:`~sparseswaps_prune.llm.budgets`): blocks whose Wanda scores have more outliers are
+            the first block (:mod:`~sparseswaps_prune.llm.owl`): blocks whose Wanda scores have more outliers are
             pruned less, the mean over blocks is the spec's sparsity. Needs a ``sparsity`` budget (per row or per
             layer, not N:M); not supported with ``distributed=True`` or the block-wise streaming path in this version.
         owl_m: OWL's outlier threshold ``M`` (> 0; scores above ``M`` times the block's mean are outliers).
@@ -286,6 +294,22 @@ class PruneResult:
     seconds: float = 0.0
 
 
+@dataclass
+class BlockRun:
+    """What every block of one run shares: the decoder ``blocks`` and their dotted path ``blocks_name``, the compute
+    ``device``, whether progress bars show (``progress``) and the original weights are kept (``keep_dense``), the
+    ``ranks`` the layers are divided among (None: one process) and the split of the windows into ``shards`` (None:
+    one shard, all windows)."""
+
+    blocks: nn.ModuleList
+    blocks_name: str
+    device: torch.device
+    progress: bool = False
+    keep_dense: bool = False
+    ranks: Ranks | None = None
+    shards: dict[str, WindowShards] | None = None
+
+
 def _to_cpu(block: nn.Module, layers: list[PrunableLayer]) -> None:
     """Move ``block`` back to the CPU, masked weights included: ``Module.to`` moves ``weight_orig`` and
     ``weight_mask`` but not the plain ``weight`` attribute that the pruning hook computes, which would
@@ -381,13 +405,12 @@ def prune_model(
         inputs = capture_shards(
             model, blocks, calib_tokens, holdout_tokens, batch_size, shards, dense=options.block_tune_epochs > 0
         )
+    run = BlockRun(blocks, blocks_name, device, progress, keep_dense, ranks, shards)
     bar = tqdm(
         range(first_block, len(blocks)), desc="blocks", disable=not progress, initial=first_block, total=len(blocks)
     )
     for index in bar:
-        layers, reports, inputs = _process_block(
-            blocks, blocks_name, index, inputs, per_block[index], device, result, progress, keep_dense, ranks, shards
-        )
+        layers, reports, inputs = _process_block(run, index, inputs, per_block[index], result)
         result.layers.extend(reports)
         if state is not None:
             checkpoint.save_block(state, fingerprint, index, inputs, layers, result, reports, ranks)
@@ -395,16 +418,6 @@ def prune_model(
             bar.set_postfix(progress_postfix(reports))
     result.seconds = time.perf_counter() - start
     return result
-
-
-def checkpoint_settings(
-    keep_dense: bool, ranks: Ranks | None, *, batch_size: int, device: torch.device | str
-) -> dict[str, Any]:
-    """The settings besides the options that a checkpoint's fingerprint records (``checkpoint.fingerprint``'s
-    ``**settings``): ``keep_dense``, the numerics of ``batch_size`` and ``device`` (``checkpoint.numerics``), and
-    with ranks their number (each rank's inputs are its own)."""
-    ranked = {} if ranks is None else {"world_size": ranks.world_size}
-    return {"keep_dense": keep_dense} | checkpoint.numerics(batch_size, device) | ranked
 
 
 def window_shards(
@@ -506,7 +519,7 @@ def block_options(
 ) -> list[PruneOptions]:
     """The options each of ``blocks`` is pruned with: ``options`` itself everywhere with the uniform profile; with
     ``sparsity_profile="owl"``, ``options`` whose spec's budget has the block's OWL sparsity
-    (:func:`~sparseswaps_prune.llm.budgets.owl_block_sparsities`: one dense forward of ``calib_tokens`` through
+    (:func:`~sparseswaps_prune.llm.owl.owl_block_sparsities`: one dense forward of ``calib_tokens`` through
     ``model``, whose weights are not modified; ``loader`` as there), after checking that every layer's width fits its
     block's budget.
 
@@ -534,38 +547,32 @@ def block_options(
 
 
 def _process_block(
-    blocks: nn.ModuleList,
-    blocks_name: str,
+    run: BlockRun,
     index: int,
     inputs: dict[str, BlockInputs],
     options: PruneOptions,
-    device: torch.device,
     result: PruneResult,
-    progress: bool,
-    keep_dense: bool,
-    ranks: Ranks | None = None,
-    shards: dict[str, WindowShards] | None = None,
 ) -> tuple[list[PrunableLayer], list[LayerReport], dict[str, BlockInputs]]:
     """One step of the block loop (also the out-of-core path's, :mod:`~sparseswaps_prune.llm.streaming`): move
-    block ``index`` to ``device``, prune its layers into ``result``, run it to get the next block's inputs and move
-    it back to the CPU. A block with accelerate hooks (a ``device_map``) is materialised on ``device`` instead, and its
-    pruned weights, made permanent, go back where the hooks keep them: the offload storage or the block's own device
-    (:func:`~sparseswaps_prune.llm.offload.onloaded`). ``inputs`` hold this rank's windows of ``shards`` (None: one
-    shard, all windows). Returns the block's layers, their reports and the next block's inputs (this rank's windows
-    only).
+    block ``index`` of ``run.blocks`` to ``run.device``, prune its layers with ``options`` into ``result``, run it to
+    get the next block's inputs and move it back to the CPU. A block with accelerate hooks (a ``device_map``) is
+    materialised on the device instead, and its pruned weights, made permanent, go back where the hooks keep them: the
+    offload storage or the block's own device (:func:`~sparseswaps_prune.llm.offload.onloaded`). ``inputs`` hold this
+    rank's windows of ``run.shards``. Returns the block's layers, their reports and the next block's inputs (this
+    rank's windows only).
 
     With ``options.block_tune_epochs``, ``inputs`` also hold the dense model's inputs of the block (``dense_key``):
     the dense block's outputs on them are the targets of :func:`~sparseswaps_prune.llm.block_tune.tune_block`, which
     runs after the layers are pruned (its report goes to ``result.block_tunes``), and the next dense inputs."""
-    dispatched = offload.is_dispatched(blocks[index])
-    block = blocks[index] if dispatched else blocks[index].to(device)
+    device, ranks = run.device, run.ranks
+    dispatched = offload.is_dispatched(run.blocks[index])
+    block = run.blocks[index] if dispatched else run.blocks[index].to(device)
     with offload.onloaded(block, device) if dispatched else contextlib.nullcontext():
-        layers = find_layers(block, prefix=f"{blocks_name}.{index}", include=options.include, exclude=options.exclude)
+        prefix = f"{run.blocks_name}.{index}"
+        layers = find_layers(block, prefix=prefix, include=options.include, exclude=options.exclude)
         streams = {key: inputs[key] for key in STREAMS if key in inputs}
         targets = {key: inputs[dense_key(key)].run_block(block, device) for key in streams if dense_key(key) in inputs}
-        reports = _prune_block(
-            block, layers, streams, options, device, result, index, progress, keep_dense, ranks, shards
-        )
+        reports = _prune_block(run, index, block, layers, streams, options, result)
         if targets and layers:
             tuned = tune_block(
                 block, layers, streams, targets, index=index, epochs=options.block_tune_epochs,
@@ -584,7 +591,7 @@ def _process_block(
         inputs = {key: part.run_block(block, device) for key, part in streams.items()}
         inputs |= {dense_key(key): target for key, target in targets.items()}
     if not dispatched:
-        _to_cpu(blocks[index], layers)
+        _to_cpu(run.blocks[index], layers)
     return layers, reports, inputs
 
 
@@ -606,25 +613,22 @@ def check_finite_layers(layers: list[PrunableLayer], index: int) -> None:
 
 
 def _prune_block(
+    run: BlockRun,
+    index: int,
     block: nn.Module,
     layers: list[PrunableLayer],
     inputs: dict[str, BlockInputs],
     options: PruneOptions,
-    device: torch.device,
     result: PruneResult,
-    index: int,
-    progress: bool,
-    keep_dense: bool,
-    ranks: Ranks | None = None,
-    shards: dict[str, WindowShards] | None = None,
 ) -> list[LayerReport]:
-    """Accumulate the block's Grams (one per distinct input and token set; with several ``shards``, one partial per
-    shard, summed in shard order across the ranks), then prune every layer (with ``ranks``: each rank prunes its
-    units of :func:`~sparseswaps_prune.llm.distributed.plan_work`, whole layers or, with ``options.row_shards`` and a
-    row-separable spec, row shards; then every unit is broadcast from its rank and each layer's shards are assembled in
-    row order, :meth:`~sparseswaps_prune.core.layer.LayerOutcome.cat`)."""
+    """Accumulate the Grams of ``block`` (the ``index``-th; one Gram per distinct input and token set; with several
+    ``run.shards``, one partial per shard, summed in shard order across the ranks), then prune every layer (with
+    ``run.ranks``: each rank prunes its units of :func:`~sparseswaps_prune.llm.distributed.plan_work`, whole layers
+    or, with ``options.row_shards`` and a row-separable spec, row shards; then every unit is broadcast from its rank
+    and each layer's shards are assembled in row order, :meth:`~sparseswaps_prune.core.layer.LayerOutcome.cat`)."""
     if not layers:
         return []
+    device, ranks, shards = run.device, run.ranks, run.shards
     if shards is None:
         shards = {key: WindowShards(part.num_samples, part.batch_size) for key, part in inputs.items()}
     hidden, kwargs = next(inputs["fit"].batches(device))
@@ -679,7 +683,7 @@ def _prune_block(
     mine = -1 if ranks is None else ranks.rank
     own = {i: prune_rows(layers[j], start, stop) for i, (j, start, stop, rank) in enumerate(units) if rank == mine}
     reports = []
-    for j, layer in enumerate(tqdm(layers, desc=f"block {index}", leave=False, disable=not progress)):
+    for j, layer in enumerate(tqdm(layers, desc=f"block {index}", leave=False, disable=not run.progress)):
         parts = [
             prune_rows(layer, start, stop) if rank is None else ranks.broadcast(own.pop(i, None), src=rank)
             for i, (unit_layer, start, stop, rank) in enumerate(units)
@@ -687,7 +691,7 @@ def _prune_block(
         ]
         outcome = LayerOutcome.cat(parts)
         fit, holdout = grams["fit"][layer.name], grams.get("holdout", {}).get(layer.name)
-        if keep_dense and (outcome.weight is not None or options.block_tune_epochs):  # tuning changes every weight
+        if run.keep_dense and (outcome.weight is not None or options.block_tune_epochs):  # tuning changes every weight
             result.dense_weights[layer.name] = layer.dense_weight_2d().cpu().clone()
         result.masks[layer.name] = outcome.keep_mask
         result.warmstart_masks[layer.name] = outcome.start_mask

@@ -97,6 +97,25 @@ def format_table(layers: Sequence[LayerReport]) -> str:
     return "\n".join(lines)
 
 
+def format_bench(bench: dict[str, Any]) -> str:
+    """One line of the deployment figures of ``report.json``'s ``bench`` entry (the job's ``bench=True``,
+    :func:`~sparseswaps_prune.deploy.bench.bench_model`): weights on disk, the model's memory and greedy decoding
+    speed, dense against sparse."""
+    mb = lambda n: f"{n / 2**20:.1f} MB"  # noqa: E731
+    disk, decode = bench["disk"], bench["decode"]
+    parts = [f"weights on disk {mb(disk['dense_bytes'])} -> {mb(disk['sparse_bytes'])} ({disk['ratio']:.3f}x)"]
+    memory = bench.get("memory")  # absent where /proc/self/status is
+    if memory and memory["anon_ratio"] is not None:
+        dense, sparse = memory["dense"]["anon_model"], memory["sparse"]["anon_model"]
+        parts.append(f"model memory (anonymous) {mb(dense)} -> {mb(sparse)} ({memory['anon_ratio']:.2f}x)")
+    parts.append(
+        f"greedy decoding {decode['dense_tokens_per_s']:.1f} -> {decode['sparse_tokens_per_s']:.1f} tokens/s "
+        f"({decode['speedup']:.2f}x, same tokens: {'yes' if decode['same_tokens'] else 'NO'})"
+    )
+    parts.append(f"{bench['sparsified']['converted']} layers sparse, {bench['seconds']:.0f} s")
+    return "deployment, dense -> sparse on the CPU: " + "; ".join(parts)
+
+
 def write_csv(layers: Sequence[LayerReport], path: str | os.PathLike[str]) -> None:
     """Per-layer rows as CSV (columns ``CSV_FIELDS``), written atomically."""
     buffer = io.StringIO()

@@ -29,7 +29,8 @@ def common(benchmark_script):
 
 
 def tiny_experiment(args, **config) -> Experiment:
-    """A tiny random LLaMA (default: 2 blocks, hidden 64) with random calibration, held-out and evaluation ids."""
+    """A tiny random LLaMA (default: 2 blocks, hidden 64) with random calibration, held-out and evaluation ids (one
+    random stream per ``--extra-eval`` text)."""
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, TINY_VOCAB_SIZE, (6, 32), generator=gen)
     return Experiment(
@@ -38,6 +39,7 @@ def tiny_experiment(args, **config) -> Experiment:
         tokens[:4],
         holdout_tokens=tokens[4:],
         eval_tokens=torch.randint(0, TINY_VOCAB_SIZE, (1, 128), generator=gen),
+        extra_eval_tokens={text: torch.randint(0, TINY_VOCAB_SIZE, (1, 96), generator=gen) for text in args.extra_eval},
         seqlen=32,
     )
 
@@ -167,6 +169,10 @@ def test_rows_of_another_spec_are_not_read(compare, tmp_path, capsys):
     args += ["--cloze-items", "0", "--max-iters", "2"]
     results = compare.main(args, make_experiment=tiny_experiment)
     assert [r["label"] for r in results["60%"]] == ["wanda -> none -> keep", "wanda -> sparseswaps T=2 -> keep"]
+    assert "| ppl (builtin) | ppl (stdlib-prose) |" in capsys.readouterr().out  # the default extra text's column
+    for row in results["60%"]:
+        assert math.isfinite(row["perplexity_extra"]["stdlib-prose"]) and row["perplexity_extra"]["stdlib-prose"] > 1
+        assert row["perplexity_extra"]["stdlib-prose"] != row["perplexity"]
     none, swaps = (r["totals"] for r in results["60%"])
     assert none["n_swaps"] == 0 and none["loss_final"] == none["loss_refined"] == none["loss_start"]
     assert swaps["loss_final"] == swaps["loss_refined"] <= swaps["loss_start"]
@@ -182,6 +188,11 @@ def test_rows_of_another_spec_are_not_read(compare, tmp_path, capsys):
     rerun = compare.main(args, make_experiment=tiny_experiment)
     assert rerun["60%"][0]["totals"]["loss_final"] == pytest.approx(none["loss_final"])
     assert json.loads(path.read_text())["options"]["spec"]["refine"]["kind"] == "none"
+    # a row that lacks an evaluation text asked for now is not read either: --report-only lists it as not run
+    capsys.readouterr()
+    more = ["--extra-eval", "stdlib-prose", "other", "--report-only"]
+    report = compare.main([*args, *more], make_experiment=no_experiment)
+    assert report == {} and "not run yet (--report-only): 60% wanda -> none -> keep; 60%" in capsys.readouterr().out
 
 
 def test_block_tuning_settings_are_pipeline_options(compare, common):

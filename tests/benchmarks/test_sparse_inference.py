@@ -8,9 +8,9 @@ def test_quick_run_prints_every_section(benchmark_script, capsys):
     script.main(["--quick"])
     out = capsys.readouterr().out
     assert out.startswith("machine: ") and "torch " in out and "threads" in out
-    for title in ("(a) one layer", "(b) greedy decoding", "(c) memory", "(d) checkpoint size"):
+    for title in ("(a) one layer", "(b) greedy decoding", "(c) memory", "(d) checkpoint size", "(e) least checkpoint"):
         assert title in out
-    layer = [line.split() for line in out.split("(a) one layer")[1].splitlines() if "256x512" in line]
+    layer = [line.split() for line in out.split("(a) one layer")[1].splitlines() if line.split()[:1] == ["256x512"]]
     assert [row[2] for row in layer] == ["1", "4"]
     assert layer[0][6] != "-" and layer[1][6:8] == ["-", "-"]  # torch CSR timed at batch 1 only in --quick
     assert all(float(row[-1]) < 1e-5 for row in layer)  # relative error of the kernel
@@ -20,6 +20,25 @@ def test_quick_run_prints_every_section(benchmark_script, capsys):
     rows = [line.split() for line in disk if line.strip().startswith("60%")]
     assert [row[1] for row in rows] == ["float32", "bfloat16"]
     assert all(row[-1] == "bit-exact" and float(row[4]) < 1.0 for row in rows)
+    _check_bound_section(out)
+
+
+def _check_bound_section(out: str) -> None:
+    bound = [line.split() for line in out.split("(e) least checkpoint")[1].splitlines() if "%" in line]
+    tiny = [row for row in bound if row[:2] == ["tiny", "llama"]]
+    llama = {(row[2], row[4]): row for row in bound if row[:2] == ["Llama-7B", "shape"]}
+    assert len(tiny) == 4 and all(row[-1] == "never" for row in tiny)  # the embedding is most of the tiny model
+    assert len(llama) == 4 and all(row[3] == "96.1%" for row in llama.values())
+    assert float(llama["float32", "60%"][-2]) < float(llama["bfloat16", "60%"][-2]) < 0.5  # 0.5x met at 60%
+    assert 0.5 < float(llama["bfloat16", "60%"][-1].rstrip("%")) / 100 < 0.6
+
+
+def test_bound_alone(benchmark_script, capsys):
+    script = benchmark_script("sparse_inference")
+    script.main(["--quick", "--bound"])
+    out = capsys.readouterr().out
+    assert "(a) one layer" not in out and "(d) checkpoint size" not in out
+    _check_bound_section(out)
 
 
 def test_magnitude_pruning_helper(benchmark_script):

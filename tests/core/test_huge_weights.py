@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from sparseswaps_prune.core import alps, layer
+from sparseswaps_prune.core import alps, stages
 from sparseswaps_prune.core.admm import admm_prune, admm_update
 from sparseswaps_prune.core.alps import alps_prune, alps_update
 from sparseswaps_prune.core.layer import prune_layer
@@ -116,7 +116,7 @@ def test_prune_layer_names_a_stage_that_breaks_down_on_ordinary_weights(monkeypa
         out[[1, 6]] = float("nan")
         return out
 
-    monkeypatch.setattr(layer, "refit_weights", broken)
+    monkeypatch.setattr(stages, "refit_weights", broken)
     spec = PruneSpec(budget=Budget(sparsity=0.5), start=ScoreStart(), refine=NoRefine(), weights=LeastSquares())
     with pytest.raises(ValueError, match=r"^layer q: the weight stage \(ls\) returned non-finite weights in 2 of 8 "
                                          r"rows \(rows \[1, 6\]\): ls broke down numerically"):  # fmt: skip

@@ -1,8 +1,18 @@
+import sys
+from collections import Counter
+
 import pytest
 import torch
 
 from sparseswaps_prune import build_spec, prune_layer, refine_mask, row_losses, warmstart_mask
-from sparseswaps_prune.core.checks import check_gram, check_weight
+from sparseswaps_prune.core.checks import (
+    check_bool,
+    check_choice,
+    check_gram,
+    check_int,
+    check_str,
+    check_weight,
+)
 from sparseswaps_prune.core.spec import SPARSESWAPS_SPEC
 from tests.core.reference import layer_problem
 
@@ -124,3 +134,50 @@ def test_nm_keeping_no_weight_is_refused_by_every_entry_point():
         refine_mask(W, G, K, nm=(0, 4))
     # n = m keeps every weight (as sparsity 0 does): accepted
     assert warmstart_mask(W, "magnitude", nm=(4, 4)).all()
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "match"),
+    [
+        (lambda: check_int(0, "nsamples", low=1), ValueError, r"^nsamples must be a positive int, got 0$"),
+        (lambda: check_int(2.5, "max_iters", low=0), TypeError, r"^max_iters must be an int >= 0, got 2.5$"),
+        (lambda: check_int(True, "seed", low=0), TypeError, r"^seed must be an int >= 0, got True$"),
+        (lambda: check_int(2**64, "seed", low=0, below=2**64), ValueError, r"an int in \[0, 2\*\*64\), got"),
+        (lambda: check_int(-1, "seed", low=0, below=10), ValueError, r"^seed must be an int in \[0, 10\), got -1$"),
+        (lambda: check_int(0, "eval_windows", low=1, none_ok=True), ValueError, "a positive int or None, got 0"),
+        (lambda: check_int("3", "n"), TypeError, r"^n must be an int, got '3'$"),
+        (lambda: check_choice("fp8", "dtype", ("float32", "bfloat16")), ValueError, "one of float32, bfloat16; got"),
+        (lambda: check_bool(1, "blockwise"), TypeError, r"^blockwise must be a bool, got 1$"),
+        (lambda: check_str(None, "calib"), TypeError, r"^calib must be a str, got None$"),
+        (lambda: check_str(3, "eval", none_ok=True), TypeError, r"^eval must be a str or None, got 3$"),
+    ],
+)
+def test_the_shared_checkers_name_the_option_and_what_it_accepts(call, error, match):
+    with pytest.raises(error, match=match):
+        call()
+
+
+def test_the_shared_checkers_return_what_they_accept():
+    assert check_int(2**64 - 1, "seed", low=0, below=2**64) == 2**64 - 1
+    assert check_int(None, "eval_windows", low=1, none_ok=True) is None
+    assert check_choice("row", "scope", ("row", "layer")) == "row"
+    assert check_bool(False, "guard") is False and check_str(None, "eval", none_ok=True) is None
+
+
+def test_prune_layer_validates_the_tensors_once():
+    """Issue 46, item 6: the weight and the Grams (a Gram check reads all of G) are checked once at prune_layer's
+    boundary; the score start, the selection and the losses trust them."""
+    calls: Counter = Counter()
+
+    def count(frame, event, arg):
+        if event == "call" and frame.f_code.co_filename.endswith("core/checks.py"):
+            calls[frame.f_code.co_name] += 1
+
+    spec = build_spec(SPARSESWAPS_SPEC, sparsity=0.5, refine="none")
+    sys.setprofile(count)
+    try:
+        prune_layer(W, G, spec, holdout_gram=G)
+    finally:
+        sys.setprofile(None)
+    assert calls["check_gram"] == 2  # the calibration and the held-out Gram
+    assert calls["check_weight"] == 1 and calls["check_budget"] == 1

@@ -200,3 +200,33 @@ def test_bad_files_raise_clear_errors_before_any_model_is_built(tiny, tmp_path, 
     check("no 'sparseswaps_sparse' metadata")
     assert_bit_equal(model.state_dict(), load_sparse(path).state_dict())
     assert built
+
+
+def test_dtype_casts_as_from_pretrained_casts_the_dense_save(tiny, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model = tiny("llama", torch.bfloat16, negative_zeros=True)
+    model.save_pretrained(tmp_path / "dense")
+    save_sparse(model, tmp_path / "sparse")
+    for dtype in (torch.float32, torch.bfloat16):
+        want = AutoModelForCausalLM.from_pretrained(tmp_path / "dense", dtype=dtype)
+        got = load_sparse(tmp_path / "sparse", dtype=dtype)
+        assert_bit_equal(want.state_dict(), got.state_dict())
+        assert_bit_equal(dict(want.named_buffers()), dict(got.named_buffers()))
+    with pytest.raises(ValueError, match=r"sparse=True keeps the saved dtype \(torch.bfloat16\)"):
+        load_sparse(tmp_path / "sparse", sparse=True, dtype=torch.float32)
+    with pytest.raises(TypeError, match=r"dtype must be None or a floating torch.dtype"):
+        load_sparse(tmp_path / "sparse", dtype=torch.int8)
+    with pytest.raises(TypeError, match=r"load_sparse sets \['torch_dtype'\] itself"):
+        load_sparse(tmp_path / "sparse", torch_dtype=torch.float32)
+
+
+def test_the_documented_from_pretrained_way_gives_the_same_model(tiny, tmp_path):
+    import transformers
+
+    model = tiny("qwen2", negative_zeros=True)
+    save_sparse(model, tmp_path / "sparse")
+    config = transformers.AutoConfig.from_pretrained(tmp_path / "sparse")  # as docs/deploy.md shows it
+    cls = getattr(transformers, config.architectures[0])
+    got = cls.from_pretrained(None, config=config, state_dict=read_sparse_state_dict(tmp_path / "sparse"))
+    assert_bit_equal(model.state_dict(), got.state_dict())

@@ -10,7 +10,7 @@ from types import ModuleType
 import pytest
 import torch
 
-from sparseswaps_prune.llm.streaming import SafetensorsCheckpoint
+from sparseswaps_prune.llm.io.readers import SafetensorsCheckpoint
 
 
 @contextlib.contextmanager

@@ -16,10 +16,9 @@ from sparseswaps_prune.llm import block_tune, pipeline
 from sparseswaps_prune.llm.block_tune import NOT_LOWERED, relative_error, step_lr, tune_block
 from sparseswaps_prune.llm.capture import capture_block_inputs
 from sparseswaps_prune.llm.job import JobConfig
-from sparseswaps_prune.llm.layers import find_blocks
 from sparseswaps_prune.llm.models import tiny_model
 from sparseswaps_prune.llm.pipeline import PruneOptions, finalize, prune_model
-from sparseswaps_prune.modules import apply_mask, find_layers
+from sparseswaps_prune.modules import apply_mask, find_blocks, find_layers
 from tests.llm.helpers import crash_on_call
 
 

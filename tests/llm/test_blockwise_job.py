@@ -102,11 +102,11 @@ def test_interrupted_blockwise_job_resumes_bit_for_bit(saved_tiny, tmp_path, mon
     reference = run_job(config, tmp_path / "reference", progress=False)
     original, calls = pipeline._process_block, []
 
-    def step(blocks, blocks_name, index, *args, **kwargs):
+    def step(run, index, *args, **kwargs):
         calls.append(index)
         if index == 1 and len(calls) == 2:
             raise KeyboardInterrupt
-        return original(blocks, blocks_name, index, *args, **kwargs)
+        return original(run, index, *args, **kwargs)
 
     monkeypatch.setattr(pipeline, "_process_block", step)
     out = tmp_path / "out"

@@ -24,8 +24,8 @@ from transformers import (
 )
 
 from sparseswaps_prune.llm.capture import BlockInputs, call_block, capture_block_inputs
-from sparseswaps_prune.llm.layers import find_blocks, group_by_input
-from sparseswaps_prune.modules import find_layers, input_hooks
+from sparseswaps_prune.llm.layers import group_by_input
+from sparseswaps_prune.modules import find_blocks, find_layers, input_hooks
 
 SEQLEN = 12
 _DECODER = {

@@ -212,7 +212,7 @@ def test_row_batch_must_be_a_positive_int(value, error):
     weight = torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
     x = torch.randn(32, 8, generator=torch.Generator().manual_seed(1))
     keep = warmstart_mask(weight, "magnitude", sparsity=0.5)
-    with pytest.raises(error, match="row_batch must be an int"):
+    with pytest.raises(error, match="row_batch must be a positive int"):
         refine_mask(weight, x.T @ x, keep, row_batch=value)
-    with pytest.raises(error, match="row_batch must be an int"):
+    with pytest.raises(error, match="row_batch must be a positive int"):
         refit_weights(weight, x.T @ x, keep, row_batch=value)

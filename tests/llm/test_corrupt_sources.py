@@ -15,11 +15,14 @@ import torch
 
 from sparseswaps_prune.cli import main
 from sparseswaps_prune.core.spec import build_spec
-from sparseswaps_prune.llm import pipeline, streaming
+from sparseswaps_prune.llm import pipeline
+from sparseswaps_prune.llm.io import readers
+from sparseswaps_prune.llm.io.formats import read_safetensors_header
+from sparseswaps_prune.llm.io.readers import SafetensorsCheckpoint
 from sparseswaps_prune.llm.job import STATE_DIR
 from sparseswaps_prune.llm.models import load_model, tiny_model
 from sparseswaps_prune.llm.pipeline import PruneOptions
-from sparseswaps_prune.llm.streaming import SafetensorsCheckpoint, prune_checkpoint, read_safetensors_header
+from sparseswaps_prune.llm.streaming import prune_checkpoint
 from sparseswaps_prune.recipes import RECIPES
 
 SHARD = "1MB"  # the embeddings get shards of their own, the 3 blocks share the last one
@@ -133,7 +136,7 @@ def test_a_damaged_source_is_refused_when_opened_before_any_block(source, tmp_pa
     """``prune_checkpoint`` with a checkpoint directory: refused before the first block, nothing written."""
     match = damage(source)
     blocks = []
-    monkeypatch.setattr(pipeline, "_process_block", lambda *a, **k: blocks.append(a[2]) or pytest.fail("pruned"))
+    monkeypatch.setattr(pipeline, "_process_block", lambda *a, **k: blocks.append(a[1]) or pytest.fail("pruned"))
     with pytest.raises(ValueError, match=match) as err:
         prune_checkpoint(source, tmp_path / "out", torch.randint(3, 3000, (2, 12)), OPTIONS, progress=False,
                          max_shard_size=SHARD, checkpoint_dir=tmp_path / "ckpt")  # fmt: skip
@@ -202,4 +205,4 @@ def test_a_truncated_gguf_is_named(tmp_path):
     writer.close()
     path.write_bytes(path.read_bytes()[:-1000])
     with pytest.raises(ValueError, match=r"tiny\.gguf is not a valid GGUF file .*re-download"):
-        streaming.GGUFCheckpoint(path)
+        readers.GGUFCheckpoint(path)

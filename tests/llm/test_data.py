@@ -19,8 +19,10 @@ from sparseswaps_prune.llm.data import (
     C4_VALIDATION_FILE,
     _tokenize,
     builtin_text,
+    check_source,
     load_calibration,
     load_eval_tokens,
+    stdlib_prose_text,
 )
 
 DOCS = [
@@ -69,6 +71,28 @@ def test_builtin_split_is_deterministic_and_disjoint():
 def test_builtin_text_rejects_unknown_split():
     with pytest.raises(ValueError, match="'test'"):
         builtin_text("test")
+
+
+def test_stdlib_prose_is_english_text_the_builtin_corpus_does_not_hold(tiny_tokenizer):
+    prose = stdlib_prose_text()
+    assert prose == stdlib_prose_text() and 30_000 < len(prose) < 100_000
+    assert "Integrated Development and Learning Environment" in prose and "Guido van Rossum" in prose
+    assert "<" + "section" not in prose and "\u00b6" not in prose and "Previous topic" not in prose  # no navigation
+    builtin = builtin_text("calib") + builtin_text("eval")
+    paragraphs = [p for p in prose.split("\n\n") if len(p) >= 80]
+    assert len(paragraphs) > 100 and not [p for p in paragraphs if p in builtin]
+    check_source("stdlib-prose")
+    assert torch.equal(load_eval_tokens("stdlib-prose", tiny_tokenizer), _ids(tiny_tokenizer, prose))
+    windows = load_calibration("stdlib-prose", tiny_tokenizer, nsamples=3, seqlen=32, seed=0)
+    assert windows.shape == (3, 32)
+
+
+def test_stdlib_prose_missing_names_the_file(tmp_path, monkeypatch, tiny_tokenizer):
+    import sysconfig
+
+    monkeypatch.setattr(sysconfig, "get_paths", lambda: {"stdlib": str(tmp_path)})
+    with pytest.raises(FileNotFoundError, match=r"idlelib/help.html.*install it or evaluate on a local text file"):
+        load_eval_tokens("stdlib-prose", tiny_tokenizer)
 
 
 # ---------------------------------------------------------------- calibration windows

@@ -26,10 +26,10 @@ from sparseswaps_prune.llm.capture import BlockInputs, capture_block_inputs
 from sparseswaps_prune.llm.checkpoint import CheckpointMismatch
 from sparseswaps_prune.llm.distributed import WindowShards, WorkUnit, init_from_env, plan_work, sum_shard_grams
 from sparseswaps_prune.llm.job import JobConfig
-from sparseswaps_prune.llm.layers import find_blocks
 from sparseswaps_prune.llm.models import tiny_model
 from sparseswaps_prune.llm.pipeline import PruneOptions, finalize, prune_model
 from sparseswaps_prune.llm.streaming import prune_checkpoint
+from sparseswaps_prune.modules import find_blocks
 from sparseswaps_prune.recipes import RECIPES
 from tests.llm.helpers import saved_tensors
 

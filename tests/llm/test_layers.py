@@ -1,5 +1,6 @@
-"""Tests for sparseswaps_prune.llm.layers, and for layer discovery on real architectures, on tiny random-weight
-models built from configs (no download). The model-independent parts are in tests/test_modules.py."""
+"""Tests for sparseswaps_prune.llm.layers, and for block and layer discovery (sparseswaps_prune.modules.find_blocks,
+find_layers) on real architectures, on tiny random-weight models built from configs (no download). The
+model-independent parts are in tests/test_modules.py."""
 
 from __future__ import annotations
 
@@ -8,9 +9,9 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from sparseswaps_prune.llm.layers import find_blocks, group_by_input
+from sparseswaps_prune.llm.layers import group_by_input
 from sparseswaps_prune.llm.models import TINY_ARCHS, tiny_model
-from sparseswaps_prune.modules import find_layers, input_hooks
+from sparseswaps_prune.modules import find_blocks, find_layers, input_hooks
 
 _LLAMA_LIKE = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 _EXPECTED = {

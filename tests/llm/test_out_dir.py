@@ -194,10 +194,10 @@ def stop_in_block(monkeypatch, target, name: str, block: int):
     """Raise KeyboardInterrupt when ``target.name`` starts block ``block`` (block 0 is then committed)."""
     original = getattr(target, name)
 
-    def step(blocks, blocks_name, index, *args, **kwargs):
+    def step(run, index, *args, **kwargs):
         if index == block:
             raise KeyboardInterrupt
-        return original(blocks, blocks_name, index, *args, **kwargs)
+        return original(run, index, *args, **kwargs)
 
     monkeypatch.setattr(target, name, step)
 

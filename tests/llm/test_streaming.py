@@ -19,9 +19,11 @@ from sparseswaps_prune.core.spec import build_spec
 from sparseswaps_prune.llm import pipeline, streaming
 from sparseswaps_prune.llm.checkpoint import CheckpointMismatch
 from sparseswaps_prune.llm.distributed import plan_work
+from sparseswaps_prune.llm.io import readers
+from sparseswaps_prune.llm.io.writers import ShardedWriter
 from sparseswaps_prune.llm.models import tiny_model
 from sparseswaps_prune.llm.pipeline import PruneOptions, finalize, prune_model
-from sparseswaps_prune.llm.streaming import ShardedWriter, prune_checkpoint
+from sparseswaps_prune.llm.streaming import prune_checkpoint
 from sparseswaps_prune.modules import PrunableLayer
 from sparseswaps_prune.recipes import RECIPES
 from tests.llm.helpers import saved_tensors
@@ -113,18 +115,18 @@ def test_one_block_in_memory_at_a_time_and_report(tmp_path, monkeypatch):
     seen = []
     original = pipeline._process_block
 
-    def spy(blocks, blocks_name, index, *args, **kwargs):
-        model_blocks = [any(p.device.type != "meta" for p in block.parameters()) for block in blocks]
+    def spy(run, index, *args, **kwargs):
+        model_blocks = [any(p.device.type != "meta" for p in block.parameters()) for block in run.blocks]
         seen.append((index, model_blocks, spy.model.lm_head.weight.device.type, spy.model.model.embed_tokens))
-        return original(blocks, blocks_name, index, *args, **kwargs)
+        return original(run, index, *args, **kwargs)
 
-    real_skeleton = streaming._skeleton
+    real_skeleton = streaming.empty_model
 
     def skeleton(*args, **kwargs):
         spy.model = real_skeleton(*args, **kwargs)
         return spy.model
 
-    monkeypatch.setattr(streaming, "_skeleton", skeleton)
+    monkeypatch.setattr(streaming, "empty_model", skeleton)
     monkeypatch.setattr(pipeline, "_process_block", spy)
     options = PruneOptions(spec=build_spec(REFIT, max_iters=1, weights="keep"))
     result = prune_checkpoint(source, tmp_path / "out", calib(), options, max_shard_size=SHARD, progress=False)
@@ -312,11 +314,11 @@ def count_blocks(patch: pytest.MonkeyPatch, crash_at: int | None = None) -> list
     running the ``crash_at``-th call (1-based). Returns the growing list of indices."""
     original, calls = pipeline._process_block, []
 
-    def step(blocks, blocks_name, index, *args, **kwargs):
+    def step(run, index, *args, **kwargs):
         calls.append(index)
         if len(calls) == crash_at:
             raise Crash
-        return original(blocks, blocks_name, index, *args, **kwargs)
+        return original(run, index, *args, **kwargs)
 
     patch.setattr(pipeline, "_process_block", step)
     return calls
@@ -502,13 +504,13 @@ def gguf_case(tmp_path_factory, default_lm):
     original_step, original_open, original_skeleton = (
         pipeline._process_block,
         streaming.open_checkpoint,
-        streaming._skeleton,
+        streaming.empty_model,
     )
 
-    def step(blocks, blocks_name, index, *args, **kwargs):
-        held = [k for k, block in enumerate(blocks) if any(p.device.type != "meta" for p in block.parameters())]
+    def step(run, index, *args, **kwargs):
+        held = [k for k, block in enumerate(run.blocks) if any(p.device.type != "meta" for p in block.parameters())]
         seen.append((index, held, skeletons[-1].model.embed_tokens.weight.device.type))
-        return original_step(blocks, blocks_name, index, *args, **kwargs)
+        return original_step(run, index, *args, **kwargs)
 
     def open_checkpoint(*args, **kwargs):
         readers.append(original_open(*args, **kwargs))
@@ -521,7 +523,7 @@ def gguf_case(tmp_path_factory, default_lm):
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(pipeline, "_process_block", step)
         patch.setattr(streaming, "open_checkpoint", open_checkpoint)
-        patch.setattr(streaming, "_skeleton", skeleton)
+        patch.setattr(streaming, "empty_model", skeleton)
         streamed = prune_checkpoint(None, root / "stream", calib(), GGUF_OPTIONS, progress=False)
     return {"root": root, "loaded": loaded, "result": result, "streamed": streamed, "seen": seen, "reader": readers[0]}
 
@@ -529,7 +531,7 @@ def gguf_case(tmp_path_factory, default_lm):
 def test_gguf_reader_equals_from_pretrained(gguf_case):
     """Every tensor the reader gives (de-quantized, q/k rows un-permuted) is the one ``load_model`` loads."""
     reader, loaded = gguf_case["reader"], gguf_case["loaded"]
-    assert isinstance(reader, streaming.GGUFCheckpoint)
+    assert isinstance(reader, readers.GGUFCheckpoint)
     assert sorted(reader.shapes) == sorted(set(loaded) - {"lm_head.weight"})  # tied to the embeddings
     before = reader.bytes_read
     got = reader.read(reversed(list(reader.shapes)))
@@ -560,11 +562,11 @@ def test_gguf_sources_named_as_load_model_names_them(tmp_path):
 
     path = Path(default_gguf_path())
     with pytest.raises(ValueError, match="already names its GGUF file"):
-        streaming.open_checkpoint(None, gguf_file=path.name)
+        readers.open_checkpoint(None, gguf_file=path.name)
     with pytest.raises(FileNotFoundError, match="not found in directory"):
-        streaming.open_checkpoint(tmp_path, gguf_file="missing.gguf")
+        readers.open_checkpoint(tmp_path, gguf_file="missing.gguf")
     with pytest.raises(FileNotFoundError, match="local files only"):
-        streaming.open_checkpoint("HuggingFaceTB/SmolLM2-135M-GGUF", gguf_file=path.name)
+        readers.open_checkpoint("HuggingFaceTB/SmolLM2-135M-GGUF", gguf_file=path.name)
     with pytest.raises(FileNotFoundError, match="does not exist"):
         prune_checkpoint(tmp_path / "x.gguf", tmp_path / "out", calib(), GGUF_OPTIONS, progress=False)
     assert not (tmp_path / "out").exists()

@@ -12,9 +12,10 @@ smallest ``p``. Backends search only; :mod:`sparseswaps_prune.core.refine` appli
   through the Triton interpreter, ``TRITON_INTERPRET=1``, for testing).
 * N:M always uses the block-local torch search (``O(d_in * m)`` per row).
 
-The re-fit objective has its own engines (:func:`resolve_refit_backend`): the torch reference
-(:mod:`~sparseswaps_prune.core.refit_swaps`), the compiled CPU engine :mod:`.refit_numba` and the fused CUDA
-kernels :mod:`.refit_triton`.
+The re-fit objective has its own engines behind one contract (:class:`~.refit_engine.RefitEngine`;
+:func:`resolve_refit_backend` names one, :func:`refit_engine_class` gives its class): the torch reference
+(:class:`~.refit_engine.TorchRefitEngine`, on :mod:`.refit_state`), the compiled CPU engine :mod:`.refit_numba` and
+the lazy state's Triton kernels on CUDA, :mod:`.refit_lazy_triton`.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ import torch
 
 from sparseswaps_prune.core.backends.nm_search import best_swaps_nm
 from sparseswaps_prune.core.backends.numba_search import best_swaps_numba
+from sparseswaps_prune.core.backends.refit_engine import RefitEngine, TorchRefitEngine
+from sparseswaps_prune.core.backends.refit_numba import NumbaRefitState
 from sparseswaps_prune.core.backends.torch_search import best_swaps_torch
 
 BACKENDS = ("auto", "torch", "numba", "triton")
@@ -64,12 +67,12 @@ def resolve_backend(backend: str, device: torch.device, nm: tuple[int, int] | No
 
 
 def resolve_refit_backend(backend: str, device: torch.device) -> str:
-    """Engine of the re-fit objective: ``"numba"`` (compiled, :mod:`.refit_numba`) for ``auto`` and ``numba`` on the
-    CPU; ``"lazy"`` (the lazy state of :mod:`.refit_lazy` with its Triton kernels) for ``auto`` on CUDA when triton
-    is installed (an iteration 3.2-5.8x faster than the eager engine's on an H200, BENCHMARKS.md "GPU"); ``"triton"``
-    (the eager state's fused kernels, :mod:`.refit_triton`) for ``triton`` (off CUDA only in the interpreter, as
-    :func:`resolve_backend`); ``"torch"`` (the reference, :mod:`~sparseswaps_prune.core.refit_swaps`) otherwise.
-    ``numba`` off the CPU is an error. All engines choose the same swaps."""
+    """Engine of the re-fit objective (:func:`refit_engine_class` gives its class): ``"numba"`` (compiled,
+    :mod:`.refit_numba`) for ``auto`` and ``numba`` on the CPU; ``"triton"`` (the lazy state's Triton kernels,
+    :mod:`.refit_lazy_triton`: an iteration 3.2-5.8x faster than the eager Triton engine it replaced, on an H200,
+    BENCHMARKS.md "GPU") for ``auto`` on CUDA when triton is installed, and for ``triton`` (off CUDA only in the
+    interpreter, as :func:`resolve_backend`); ``"torch"`` (the reference, :class:`~.refit_engine.TorchRefitEngine`)
+    otherwise. ``numba`` off the CPU is an error. All engines choose the same swaps."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown swap-search backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     if backend == "numba" and device.type != "cpu":
@@ -77,10 +80,28 @@ def resolve_refit_backend(backend: str, device: torch.device) -> str:
     if backend in ("auto", "numba") and device.type == "cpu":
         return "numba"
     if backend == "auto" and device.type == "cuda" and triton_available():
-        return "lazy"
+        return "triton"
     if backend == "triton":
         return resolve_backend("triton", device, None)  # the same availability checks and errors
     return "torch"
+
+
+REFIT_ENGINES = ("torch", "numba", "triton")
+
+
+def refit_engine_class(name: str) -> type[RefitEngine]:
+    """The class of the re-fit engine ``name`` (one of :data:`REFIT_ENGINES`, as :func:`resolve_refit_backend`
+    returns): :class:`~.refit_engine.TorchRefitEngine`, :class:`~.refit_numba.NumbaRefitState` or
+    :class:`~.refit_lazy_triton.TritonRefitState` (imported here: triton is optional)."""
+    if name == "torch":
+        return TorchRefitEngine
+    if name == "numba":
+        return NumbaRefitState
+    if name == "triton":
+        from sparseswaps_prune.core.backends.refit_lazy_triton import TritonRefitState
+
+        return TritonRefitState
+    raise ValueError(f"unknown re-fit engine {name!r}; choose one of {', '.join(REFIT_ENGINES)}")
 
 
 def best_swaps(

@@ -1,5 +1,5 @@
-"""The lazy re-fit state: the state of :mod:`~sparseswaps_prune.core.refit_swaps` with ``H`` and ``Z`` kept as a base
-plus pending rank-one terms, so that a move no longer streams the ``[K, K]`` and ``[K, Q]`` matrices.
+"""The lazy re-fit state: the state of :mod:`~sparseswaps_prune.core.backends.refit_state` with ``H`` and ``Z`` kept as
+a base plus pending rank-one terms, so that a move no longer streams the ``[K, K]`` and ``[K, Q]`` matrices.
 
 Every move changes ``H`` and ``Z`` by rank-one terms that share their left vectors, ``H += c a a^T`` and
 ``Z += a b^T``. Each row keeps its pending terms (at most ``factor_slots``) next to a base:
@@ -10,32 +10,28 @@ swaps). The diagonal of ``H``, ``v``, ``r`` and ``s`` are kept exactly (eagerly)
 ``t_q = G_pq - G[p, S] Z[:, q]`` is read off the shared Gram, ``sum_{s in S} y_s G[s, :]`` with ``y = Z[:, p]``
 (one matrix product for all rows of a call).
 
-:class:`LazyRefitState` holds the state and applies moves with batched torch operations on any device, or (``fused``)
-with the Triton kernels of :mod:`~sparseswaps_prune.core.backends.refit_lazy_triton`; its scan is the Triton
-engine's kernel reading the pending terms (:func:`refit_triton.scan_swaps`, on CUDA) or the torch reference scan of
-the materialised rows. The compiled CPU engine
-(:class:`~sparseswaps_prune.core.backends.refit_numba.NumbaRefitState`) is the same state with its scan and moves
-in numba. The costs are not bit-identical to the eager reference (the state rounds in a different order); the
-engines choose the same swaps, as the tests check.
+:class:`LazyRefitState` holds the state (build, fold, grow, the reads); two engines of the contract of
+:mod:`.refit_engine` add its scan and moves: :class:`~sparseswaps_prune.core.backends.refit_numba.NumbaRefitState`
+(compiled, CPU) and :class:`~sparseswaps_prune.core.backends.refit_lazy_triton.TritonRefitState` (Triton kernels,
+CUDA). The costs are not bit-identical to the torch reference's (the state rounds in a different order); the engines
+choose the same swaps, as the tests check.
 
 Layout: ``zt`` ``[R, Q, K]`` is ``Z0`` transposed (a column of ``Z`` is contiguous).
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import torch
 
-from sparseswaps_prune.core import refit_swaps as rs
+from sparseswaps_prune.core.backends import refit_state as st
 
 # Pending rank-one terms per row before they are folded into H0 and Z0 (two per swap): 32 swaps, so runs of up to
 # 32 iterations never fold. A fold costs about K Q multiply-adds per term; a pending term costs K per column the
 # scan visits (a few per row and iteration) and K + Q per move, so folding early does not pay. Memory: 8 F (K + Q)
 # bytes per row, F / K of the state's (4-28% at 60% of 4096-576 inputs).
 FACTOR_SLOTS = 64
-
-# With the Triton scan, the moves run as the two kernels of refit_lazy_triton and the scan's terms come from its
-# third (one launch each per call, against dozens of torch operations); False: batched torch operations (an A/B).
-FUSED = True
 
 # Elements of the [rows, Q, K] temporaries of one build chunk: 32 MiB float64 each on the CPU; on CUDA 2 GiB
 # (BUILD_ELEMENTS_CUDA), since batched Cholesky factors and products of a few rows leave the GPU idle (one row per
@@ -52,30 +48,27 @@ def _as_slice(rows: torch.Tensor) -> torch.Tensor | slice:
     return rows
 
 
-class LazyRefitState:
+class LazyRefitState(ABC):
     """Float64 re-fit state of ``R`` rows with ``H`` and ``Z`` as a base plus pending rank-one terms (tensors on
-    ``w64``'s device, modified in place by the moves).
+    ``w64``'s device, modified in place by the moves); a subclass adds the scan and the moves (:meth:`scan`,
+    :meth:`swap`, :meth:`remove`, :meth:`add` of the engine contract, :class:`~.refit_engine.RefitEngine`).
 
-    The attributes of :class:`~sparseswaps_prune.core.refit_swaps.RefitState` with the same meaning -- ``kept``,
+    The attributes of :class:`~.refit_state.RefitState` with the same meaning -- ``kept``,
     ``kept_ok``, ``pruned``, ``pruned_ok``, ``coef`` (``v``), ``resid`` (``r``), ``schur`` (``s``) -- plus the lazy
     form of ``H`` and ``Z``: ``inv`` ``[R, K, K]`` base ``H0``, ``hdiag`` ``[R, K]`` the exact diagonal of ``H``,
     ``zt`` ``[R, Q, K]`` base ``Z0`` transposed, and the pending terms ``fa`` ``[R, F, K]``, ``fc`` ``[R, F]``,
     ``fb`` ``[R, F, Q]``, ``rank`` ``[R]`` (``H = H0 + sum_k fc_k fa_k fa_k^T``, ``Z = Z0 + sum_k fa_k fb_k^T`` over
     ``k < rank``; entries past ``rank`` are zero). It reads as a ``RefitState`` through :meth:`h_diagonal`,
-    :meth:`z_rows` and :meth:`z_columns` (the scans and ``refit_swaps.best_removals`` use them).
+    :meth:`z_rows` and :meth:`z_columns` (``refit_state.best_removals`` and the reference scan read it so).
 
     Args:
         w64: ``[R, d]`` float64 weights; keep: ``[R, d]`` bool mask the state is built from (read by :meth:`build`
             only; neither is modified). gram64: ``[d, d]`` float64 Gram on the same device; lam: absolute damping.
-        k_slots, q_slots: kept and pruned slot counts. m: N:M block size, or None.
-        factor_slots: pending terms per row before a fold (even, >= 2; default ``FACTOR_SLOTS``).
+        k_slots, q_slots: kept and pruned slot counts (from :meth:`slot_count`). m: N:M block size, or None.
         row_offset: layer indices of the rows (``[R]`` int64) or of row 0 (int), for the singular-system error.
-        triton_scan: scan with the Triton engine's kernel (:func:`refit_triton.scan_swaps`: CUDA tensors, or CPU
-            ones in the Triton interpreter; its slot counts should be :func:`refit_triton.aligned_slots`) instead of
-            the torch reference's scan of the materialised rows.
-        fused: apply the moves by the two kernels of :mod:`.refit_lazy_triton` and gather the scan's terms by its
-            third (same devices) instead of batched torch operations (default: :data:`FUSED` where
-            ``triton_scan``).
+        row_batch: not read: the build is chunked by elements (:data:`BUILD_ELEMENTS`), not rows (the engine
+            contract's argument, for the torch reference).
+        factor_slots: pending terms per row before a fold (even, >= 2; default ``FACTOR_SLOTS``).
 
     Every row is built on construction (:meth:`build`).
 
@@ -93,19 +86,17 @@ class LazyRefitState:
         q_slots: int,
         m: int | None,
         *,
-        factor_slots: int | None = None,
         row_offset: int | torch.Tensor = 0,
-        triton_scan: bool = False,
-        fused: bool | None = None,
+        row_batch: int | None = None,
+        factor_slots: int | None = None,
     ) -> None:
         factor_slots = factor_slots or FACTOR_SLOTS
         if factor_slots < 2 or factor_slots % 2:
             raise ValueError(f"factor_slots must be an even number >= 2, got {factor_slots}")
         self.w64, self.keep = w64.contiguous(), keep
         self.gram64 = gram64.contiguous()
-        self.lam, self.m, self.factor_slots, self.triton_scan = lam, m, factor_slots, triton_scan
-        self.fused = triton_scan and FUSED if fused is None else fused
-        self.floor = rs.pivot_floor(self.gram64, lam).contiguous()
+        self.lam, self.m, self.factor_slots = lam, m, factor_slots
+        self.floor = st.pivot_floor(self.gram64, lam).contiguous()
         rows, dev = w64.shape[0], w64.device
         long, f64 = {"dtype": torch.long, "device": dev}, {"dtype": torch.float64, "device": dev}
         # every row is built below: no need to zero what the build writes (the zeroing pass costs as much as a copy)
@@ -126,6 +117,11 @@ class LazyRefitState:
         self.max_rank = 0  # a bound on rank.max() kept on the host (no device sync per move), >= every rank
         self.build(torch.arange(rows, device=dev), row_offset=row_offset)
 
+    @staticmethod
+    def slot_count(n_slots: int, d: int) -> int:
+        """``n_slots``: the exact count (an engine whose kernels want aligned counts rounds up)."""
+        return n_slots
+
     @property
     def slots(self) -> tuple[int, int]:
         """``(K, Q)``."""
@@ -133,7 +129,7 @@ class LazyRefitState:
 
     def build(self, rows: torch.Tensor, *, row_offset: int | torch.Tensor = 0) -> None:
         """Rebuild rows ``rows`` (``[n]`` int64) from ``keep`` from scratch, in place, by
-        :func:`~sparseswaps_prune.core.refit_swaps.build_state` (Cholesky of ``G_SS + lambda I``,
+        :func:`~sparseswaps_prune.core.backends.refit_state.build_state` (Cholesky of ``G_SS + lambda I``,
         ``H0 = (G_SS + lambda I)^{-1}``, ``v``, ``Z0 = H0 G[S, P]``, ``r``, ``s``); no pending terms.
         ``row_offset``: layer indices of ``rows`` (tensor) or of row 0 (int), for the singular-system error.
 
@@ -148,7 +144,7 @@ class LazyRefitState:
             sub = rows[c0 : c0 + chunk]
             batch = names[c0 : c0 + chunk]
             into = _as_slice(sub)  # consecutive rows: Z^T built in place, plain copies instead of indexed writes
-            fresh = rs.build_state(
+            fresh = st.build_state(
                 self.w64[sub], self.keep[sub], self.gram64, self.lam, k_slots, q_slots, row_offset=batch,
                 transposed_z=True, z_out=self.zt[into] if isinstance(into, slice) else None,
             )  # fmt: skip
@@ -181,31 +177,28 @@ class LazyRefitState:
         fb = self.fb[rows[:, None], : self.max_rank, slots]  # [n, c, r]
         return torch.baddbmm(self.zt[rows[:, None], slots], fb, self._terms(rows)[0]).mT
 
-    def _h_column(self, rows: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
-        """``[n, K]`` column ``H[:, slot[n]]`` of each row (``H0`` is kept whole: symmetric)."""
-        ar = torch.arange(rows.numel(), device=rows.device)
-        fa, fc, _ = self._terms(rows)
-        weight = fc * fa[ar, :, slot]  # [n, r]
-        return torch.baddbmm(self.inv[rows, slot, :][:, :, None], fa.mT, weight[:, :, None])[:, :, 0]
+    # -- the engine's scan and moves --------------------------------------------------------------------------------
 
-    def _z_row(self, rows: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
-        """``[n, Q]`` row ``Z[slot[n], :]`` of each row."""
-        a = self.fa[rows, : self.max_rank, slot]  # [n, r]
-        return torch.baddbmm(self.zt[rows, :, slot][:, :, None], self._terms(rows)[2].mT, a[:, :, None])[:, :, 0]
-
-    # -- the scan --------------------------------------------------------------------------------------------------
-
+    @abstractmethod
     def scan(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Best swap of every row in ``rows`` (``[n]`` int64): ``dF`` ``[n]`` float64 (``+inf`` where no feasible
-        pair), kept slot and pruned slot ``[n]`` int64; as :func:`~sparseswaps_prune.core.refit_swaps.scan_swaps`
-        (with ``triton_scan`` the Triton engine's kernel, otherwise the torch reference)."""
-        if self.triton_scan:
-            from sparseswaps_prune.core.backends import refit_triton
+        pair), kept slot and pruned slot ``[n]`` int64; as :func:`~.refit_state.scan_swaps`."""
 
-            return refit_triton.scan_swaps(self, self.w64, rows, self.floor, self.m)
-        return rs.scan_swaps(self, self.w64, rows, self.floor, self.m)
+    @abstractmethod
+    def swap(self, rows: torch.Tensor, slot_i: torch.Tensor, slot_j: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Swap kept slot ``slot_i`` and pruned slot ``slot_j`` of each (distinct) row (``[n]`` int64 each), in
+        place; returns the inputs ``(u, p)`` (as :func:`~.refit_state.swap_slots`)."""
 
-    # -- moves -----------------------------------------------------------------------------------------------------
+    @abstractmethod
+    def remove(self, rows: torch.Tensor, slot_i: torch.Tensor, vacant_j: torch.Tensor) -> torch.Tensor:
+        """Prune kept slot ``slot_i`` of each row into its vacant pruned slot ``vacant_j``; returns the inputs."""
+
+    @abstractmethod
+    def add(self, rows: torch.Tensor, slot_j: torch.Tensor, vacant_i: torch.Tensor) -> torch.Tensor:
+        """Restore pruned slot ``slot_j`` of each row into its vacant kept slot ``vacant_i`` (the pruned slot
+        becomes vacant); returns the inputs."""
+
+    # -- the pending terms and the slots ----------------------------------------------------------------------------
 
     def fold(self, rows: torch.Tensor) -> None:
         """Fold the pending terms of ``rows`` into ``H0`` and ``Z0`` (one batched product; all rows at once when
@@ -228,109 +221,6 @@ class LazyRefitState:
         self.fa[rows], self.fc[rows], self.fb[rows], self.rank[rows] = 0.0, 0.0, 0.0, 0
         if rows.numel() == self.rank.numel():
             self.max_rank = 0
-
-    def _make_room(self, terms: int) -> None:
-        """Fold every row before a call that adds ``terms`` pending terms per row could overflow one."""
-        if self.max_rank + terms > self.factor_slots:
-            self.fold(torch.arange(self.rank.numel(), device=self.rank.device))
-            self.max_rank = 0
-        self.max_rank += terms
-
-    def _append(self, rows: torch.Tensor, a: torch.Tensor, c: torch.Tensor, b: torch.Tensor) -> None:
-        """Add the pending term ``(a, c, b)`` (``[n, K]``, ``[n]``, ``[n, Q]``) to each row."""
-        k = self.rank[rows]
-        self.fa[rows, k], self.fc[rows, k], self.fb[rows, k] = a, c, b
-        self.rank[rows] = k + 1
-
-    def _remove(self, rows: torch.Tensor, slot: torch.Tensor) -> rs.Incoming:
-        """Prune the input of kept slot ``slot`` of each row (``refit_swaps.remove_kept``), adding one pending
-        term; returns ``(u, Z[:, u], r_u, s_u)`` for :meth:`_place`."""
-        ar = torch.arange(rows.numel(), device=rows.device)
-        h = self._h_column(rows, slot)
-        h_uu = h[ar, slot]
-        ratio = self.coef[rows, slot] / h_uu
-        z_row = self._z_row(rows, slot)
-        scaled = h / -h_uu[:, None]
-        rs.add_rows(self.hdiag, rows, h * scaled)
-        rs.add_rows(self.coef, rows, h * -ratio[:, None])
-        rs.add_rows(self.resid, rows, z_row * ratio[:, None])
-        rs.add_rows(self.schur, rows, z_row * z_row / h_uu[:, None])
-        self._append(rows, scaled, -h_uu, z_row)
-        self.inv[rows, slot, :] = 0.0
-        self.inv[rows, :, slot] = 0.0
-        self.fa[rows, :, slot] = 0.0
-        self.zt[rows, :, slot] = 0.0
-        self.coef[rows, slot] = 0.0
-        self.hdiag[rows, slot] = 0.0
-        u = self.kept[rows, slot]
-        self.kept[rows, slot] = 0
-        self.kept_ok[rows, slot] = False
-        scaled[ar, slot] = 0.0
-        return u, scaled, ratio, 1.0 / h_uu
-
-    def _place(self, rows: torch.Tensor, slot: torch.Tensor, incoming: rs.Incoming | None) -> None:
-        """Write a just-pruned input (from :meth:`_remove`) into pruned slot ``slot`` of each row, or vacate the
-        slot (``incoming`` None)."""
-        u, z_col, resid, schur = incoming if incoming is not None else (0, 0.0, 0.0, 1.0)
-        self.zt[rows, slot] = z_col
-        self.fb[rows, :, slot] = 0.0
-        self.resid[rows, slot] = resid
-        self.schur[rows, slot] = schur
-        self.pruned[rows, slot] = u
-        self.pruned_ok[rows, slot] = incoming is not None
-
-    def _restore(self, rows: torch.Tensor, slot: torch.Tensor, dest: torch.Tensor, incoming: rs.Incoming | None):
-        """Restore the input of pruned slot ``slot`` of each row into vacant kept slot ``dest``
-        (``refit_swaps.add_pruned``), adding one pending term; the pruned slot takes ``incoming`` or is vacated.
-        Returns the restored inputs."""
-        ar = torch.arange(rows.numel(), device=rows.device)
-        y = self.z_columns(rows, slot[:, None])[:, :, 0]  # [n, K] Z[:, p] (zero at vacant slots)
-        pivot = self.schur[rows, slot]
-        ratio = self.resid[rows, slot] / pivot  # the restored weight's re-fitted value
-        p = self.pruned[rows, slot]
-        self._place(rows, slot, incoming)
-        t = rs.restore_vector(self, rows, p, y, self.gram64)
-        y[ar, dest] = -1.0
-        rs.add_rows(self.hdiag, rows, y * (y / pivot[:, None]))
-        rs.add_rows(self.coef, rows, y * -ratio[:, None])
-        rs.add_rows(self.resid, rows, t * -ratio[:, None])
-        rs.add_rows(self.schur, rows, t * t / -pivot[:, None])
-        self._append(rows, y, 1.0 / pivot, t / -pivot[:, None])
-        self.kept[rows, dest] = p
-        self.kept_ok[rows, dest] = True
-        return p
-
-    def swap(self, rows: torch.Tensor, slot_i: torch.Tensor, slot_j: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Swap kept slot ``slot_i`` and pruned slot ``slot_j`` of each (distinct) row (``[n]`` int64 each), in
-        place; returns the inputs ``(u, p)`` (as :func:`~sparseswaps_prune.core.refit_swaps.swap_slots`)."""
-        self._make_room(2)
-        if self.fused:
-            return self._kernel_moves("SWAP", rows, slot_i, slot_j)
-        incoming = self._remove(rows, slot_i)
-        return incoming[0], self._restore(rows, slot_j, slot_i, incoming)
-
-    def remove(self, rows: torch.Tensor, slot_i: torch.Tensor, vacant_j: torch.Tensor) -> torch.Tensor:
-        """Prune kept slot ``slot_i`` of each row into its vacant pruned slot ``vacant_j``; returns the inputs."""
-        self._make_room(1)
-        if self.fused:
-            return self._kernel_moves("REMOVE", rows, slot_i, vacant_j)[0]
-        incoming = self._remove(rows, slot_i)
-        self._place(rows, vacant_j, incoming)
-        return incoming[0]
-
-    def add(self, rows: torch.Tensor, slot_j: torch.Tensor, vacant_i: torch.Tensor) -> torch.Tensor:
-        """Restore pruned slot ``slot_j`` of each row into its vacant kept slot ``vacant_i`` (the pruned slot
-        becomes vacant); returns the inputs."""
-        self._make_room(1)
-        if self.fused:
-            return self._kernel_moves("ADD", rows, vacant_i, slot_j)[1]
-        return self._restore(rows, slot_j, vacant_i, None)
-
-    def _kernel_moves(self, mode: str, rows: torch.Tensor, slot_a: torch.Tensor, slot_b: torch.Tensor):
-        """The move ``mode`` by :func:`refit_lazy_triton.moves` (kept slots ``slot_a``, pruned slots ``slot_b``)."""
-        from sparseswaps_prune.core.backends import refit_lazy_triton
-
-        return refit_lazy_triton.moves(self, getattr(refit_lazy_triton, mode), rows, slot_a, slot_b)
 
     def grow(self, k_slots: int, q_slots: int) -> None:
         """Enlarge to at least ``k_slots`` kept and ``q_slots`` pruned slots (new slots vacant), in place."""

@@ -1,25 +1,32 @@
-"""The lazy re-fit state's moves in two Triton kernels and its scan's terms in a third (CUDA, or CPU tensors in the
-Triton interpreter): the per-row work of :class:`~sparseswaps_prune.core.backends.refit_lazy.LazyRefitState`'s swaps,
-removals and restores, and of the prologue of :func:`refit_triton.scan_swaps`, without their dozens of small torch
-operations per call (each a launch and a pass over ``[n, K]`` or ``[n, Q]``).
+"""The re-fit objective's CUDA engine, :class:`TritonRefitState`: the lazy state of
+:mod:`~sparseswaps_prune.core.backends.refit_lazy` with its scan and moves in Triton kernels (CPU tensors only in the
+Triton interpreter, ``TRITON_INTERPRET=1``, for testing).
 
-One program per row, in phases separated by barriers (a phase reads what the one before wrote, and no warp
-overwrites a scalar another may not have read yet):
+* The scan (:func:`scan_swaps`): :func:`_prologue_kernel` (:func:`scan_terms`, one program per row) writes the terms
+  the scan reads -- ``refit_state.removal_terms``, the restorable slots, the pivot floors -- and the pruned slots it
+  must evaluate: every pair's change satisfies ``dF(u, p) >= -r_p^2 / s_p`` (the numba engine's bound), so the costs
+  of the row's ``THRESHOLD_COLUMNS`` columns of largest restore gain give a cost the scan reaches, and a slot whose
+  bound exceeds it (by the rounding margin ``SKIP_RTOL``) cannot win or tie; with N:M also the kept slots each tile of
+  pruned slots pairs with (by binary searches over the row's kept blocks). Then :func:`_scan_kernel` (one program
+  per row and range of pruned slots) evaluates the pair costs
+  ``v_u^2 / H_uu - (r_p + Z_up v_u / H_uu)^2 / (s_p + Z_up^2 / H_uu)`` tile by tile in registers, each tile of ``Z``
+  read as ``Z0^T`` plus the row's pending terms, keeping the minimum and, on ties, the smallest input-index key
+  ``u * d + p`` (the reference's tie rule); it neither reads nor evaluates the tiles the bound leaves out.
+  :func:`best_slots` turns the programs' partial minima into slots.
+* The moves (:func:`moves`), one program per row, in phases separated by barriers (a phase reads what the one
+  before wrote, and no warp overwrites a scalar another may not have read yet): :func:`_remove_kernel` -- the
+  removal of a kept slot (the column ``H[:, u]`` and the row ``Z[u, :]`` through the pending terms, the updates of
+  ``diag H``, ``v``, ``r``, ``s``, the new pending term, the slot vacated), then for a swap or a restore the column
+  ``y = Z[:, p]`` of the pruned slot to restore (written out, and spread over the kept inputs' positions for the
+  product with the Gram), then the pruned slot refilled with the removed input (swap, removal) or vacated
+  (restore); ``spread @ G`` in torch (one product for all rows of the call); :func:`_restore_kernel` -- the
+  restore: ``t_q = G_pq - (y^T G[S, :])_q``, the updates and the second pending term.
 
-* :func:`_remove_kernel` -- the removal of a kept slot (the column ``H[:, u]`` and the row ``Z[u, :]`` through the
-  pending terms, the updates of ``diag H``, ``v``, ``r``, ``s``, the new pending term, the slot vacated), then for a
-  swap or a restore the column ``y = Z[:, p]`` of the pruned slot to restore (written out, and spread over the
-  kept inputs' positions for the product with the Gram), then the pruned slot refilled with the removed input
-  (swap, removal) or vacated (restore);
-* ``spread @ G`` in torch (one product for all rows of the call);
-* :func:`_restore_kernel` -- the restore: ``t_q = G_pq - (y^T G[S, :])_q``, the updates and the second pending term.
-
-:func:`scan_terms` (:func:`_prologue_kernel`, one program per row) writes the terms the scan kernel reads and the
-slots it must evaluate, as ``refit_triton.columns_to_scan`` chooses them, and with N:M the kept slots each tile of
-pruned slots pairs with (``refit_triton.kept_slot_ranges``, by binary searches over the row's kept blocks).
-
-The operations are those of :mod:`~sparseswaps_prune.core.backends.refit_numba` in its order, compiled without fused
-multiply-add; the state is the torch moves' up to rounding (tests: the same swaps; the scan's terms bit for bit).
+Every kernel is compiled without fused multiply-add (``enable_fp_fusion=False``); the costs are evaluated with
+:func:`refit_state.pair_costs`'s operations in its order and the moves with those of
+:mod:`~sparseswaps_prune.core.backends.refit_numba` in its order. The state rounds differently from the torch
+reference's; the engines choose the same swaps (tests: against the reference, and the prologue's terms bit for bit
+against :func:`columns_to_scan` and :func:`kept_slot_ranges`).
 """
 
 from __future__ import annotations
@@ -30,8 +37,333 @@ import torch
 import triton
 import triton.language as tl
 
-from sparseswaps_prune.core.backends.refit_triton import pair_cost
-from sparseswaps_prune.core.refit_swaps import SKIP_RTOL
+from sparseswaps_prune.core.backends.refit_lazy import LazyRefitState
+from sparseswaps_prune.core.backends.refit_state import SKIP_RTOL, RefitState, no_swaps, pair_costs
+from sparseswaps_prune.core.backends.triton_search import tile_splits
+
+# (BLOCK_K, BLOCK_Q, num_warps) of the scan, on an H200 (BENCHMARKS.md, "Tile shapes of the pair scan";
+# `benchmarks/refit_scan_tiles.py`): the scan is fastest with small tiles (16 x 32: 1.3 TB/s of Z against 0.8 TB/s at
+# 4 x 256, before the bound skip).
+SCAN_TILE = (16, 32, 4)
+# Scan programs aimed for per streaming multiprocessor (a row's pruned slots are split to reach it; 4 to 32 made no
+# consistent difference in the sweep).
+SCAN_PROGRAMS_PER_SM = 4
+# Columns of largest restore gain whose pair costs set a row's skip threshold (columns_to_scan): more than one, so
+# that an N:M row's threshold comes from a pair its block allows (the N:M test layer asks for at most 12 of about
+# 150 pruned slots per row to be evaluated).
+THRESHOLD_COLUMNS = 4
+# The engine's slot counts K and Q are rounded up to a multiple of this (vacant slots, at most d_in each):
+# Triton specializes integer arguments divisible by 16, so with the row strides of H (K) and Z (Q) multiples of 16
+# it can prove every row 16-byte aligned and emits 16-byte loads and stores (PTX ld/st.global.v2.b64) in the passes
+# over H and Z instead of 8-byte ones (checked in the sm_90 PTX; A/B on a GPU: benchmarks/refit_swaps.py
+# --slot-align 1).
+SLOT_ALIGN = 16
+# Slots per step of the kernel that turns the scan's partial minima into slots (_best_slots_kernel).
+BEST_SLOTS_BLOCK = 256
+
+
+def aligned_slots(n_slots: int, d: int) -> int:
+    """``n_slots`` rounded up to a multiple of :data:`SLOT_ALIGN`, at most ``d`` (a state holds at most ``d`` slots
+    of each kind)."""
+    return min(d, -(-n_slots // SLOT_ALIGN) * SLOT_ALIGN)
+
+
+@triton.jit
+def pair_cost(z, h, ratio, remove, schur, resid):
+    """``(pivot, cost)`` of pairs with ``Z`` entries ``z`` and the kept-slot (``h``, ``ratio``, ``remove``) and
+    pruned-slot (``schur``, ``resid``) terms, broadcast: :func:`refit_state.pair_costs`'s operations in its order
+    (no fma: launch with ``enable_fp_fusion=False``)."""
+    pivot = z * z / h + schur
+    t = z * ratio + resid
+    return pivot, remove - t * t / pivot
+
+
+@triton.jit
+def _fold_costs(z, ok, ratio, h, remove, kept, resid, schur, pruned, floor, acc, acc_key, d, M: tl.constexpr):
+    """Pair costs of a ``[BLOCK_K, BLOCK_Q]`` tile of ``Z`` folded into the running ``(cost, key)`` minimum."""
+    pivot, cost = pair_cost(z, h[:, None], ratio[:, None], remove[:, None], schur[None, :], resid[None, :])
+    ok = ok & (pivot > floor[None, :])
+    if M > 0:
+        ok = ok & ((kept // M)[:, None] == (pruned // M)[None, :])
+    cost = tl.where(ok, cost, float("inf"))
+    key = kept[:, None] * d + pruned[None, :]
+    better = (cost < acc) | ((cost == acc) & (key < acc_key))
+    return tl.where(better, cost, acc), tl.where(better, key, acc_key)
+
+
+@triton.jit
+def _scan_kernel(
+    z_ptr,
+    rows_ptr,
+    ratio_ptr,
+    h_ptr,
+    remove_ptr,
+    kept_ptr,
+    kept_ok_ptr,
+    resid_ptr,
+    schur_ptr,
+    pruned_ptr,
+    pruned_ok_ptr,
+    floor_ptr,
+    need_ptr,
+    k_lo_ptr,
+    k_hi_ptr,
+    out_val_ptr,
+    out_key_ptr,
+    fa_ptr,
+    fb_ptr,
+    rank_ptr,
+    K,
+    Q,
+    d,
+    F,
+    tiles_per_split,
+    n_split,
+    n_tiles,
+    M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+):
+    """Row ``i`` of the scan, pruned slots of split ``split``: the smallest cost and its smallest key (``M``: the
+    N:M block size, 0 for none). A tile of pruned slots none of which ``need`` marks is neither read nor evaluated;
+    with ``M``, only its pairs with kept slots ``[k_lo, k_hi)`` (:func:`kept_slot_ranges`, ``[n, n_tiles]``) are.
+    ``z`` is the state's ``Z0^T`` ``[R, Q, K]``; every tile adds the row's ``rank`` pending terms ``fa [R, F, K]``,
+    ``fb [R, F, Q]``."""
+    i = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    row = tl.load(rows_ptr + i)
+    z_row = z_ptr + row * K * Q
+    n_terms = tl.load(rank_ptr + row)
+    no_key = 9223372036854775807
+    # running (cost, key) minimum per tile position, reduced once at the end (no reduction per tile)
+    acc = tl.full([BLOCK_K, BLOCK_Q], float("inf"), tl.float64)
+    acc_key = tl.full([BLOCK_K, BLOCK_Q], no_key, tl.int64)
+    q_begin = split * tiles_per_split * BLOCK_Q
+    q_end = tl.minimum(Q, q_begin + tiles_per_split * BLOCK_Q)
+    for q0 in range(q_begin, q_end, BLOCK_Q):
+        q_idx = q0 + tl.arange(0, BLOCK_Q)
+        q_in = q_idx < q_end
+        need = tl.max(tl.load(need_ptr + i * Q + q_idx, mask=q_in, other=0).to(tl.int32), axis=0) != 0
+        if need:
+            resid = tl.load(resid_ptr + i * Q + q_idx, mask=q_in, other=0.0)
+            schur = tl.load(schur_ptr + i * Q + q_idx, mask=q_in, other=1.0)
+            pruned = tl.load(pruned_ptr + i * Q + q_idx, mask=q_in, other=0)
+            floor = tl.load(floor_ptr + i * Q + q_idx, mask=q_in, other=0.0)
+            q_ok = q_in & (tl.load(pruned_ok_ptr + i * Q + q_idx, mask=q_in, other=0) != 0)
+            k_lo = 0
+            k_hi = K
+            if M > 0:  # N:M: only the kept slots of the tile's blocks can pair with its pruned slots
+                k_lo = tl.load(k_lo_ptr + i * n_tiles + q0 // BLOCK_Q)
+                k_hi = tl.load(k_hi_ptr + i * n_tiles + q0 // BLOCK_Q)
+            for k0 in range(k_lo, k_hi, BLOCK_K):
+                k_idx = k0 + tl.arange(0, BLOCK_K)
+                k_in = k_idx < K
+                ratio = tl.load(ratio_ptr + i * K + k_idx, mask=k_in, other=0.0)
+                h = tl.load(h_ptr + i * K + k_idx, mask=k_in, other=1.0)
+                remove = tl.load(remove_ptr + i * K + k_idx, mask=k_in, other=0.0)
+                kept = tl.load(kept_ptr + i * K + k_idx, mask=k_in, other=0)
+                k_ok = k_in & (tl.load(kept_ok_ptr + i * K + k_idx, mask=k_in, other=0) != 0)
+                ok = k_ok[:, None] & q_ok[None, :]
+                z = tl.load(z_row + q_idx[None, :].to(tl.int64) * K + k_idx[:, None], mask=ok, other=0.0)
+                for t in range(n_terms):  # Z = Z0 + sum_t fa_t fb_t^T
+                    term = (row * F + t) * K
+                    a = tl.load(fa_ptr + term + k_idx, mask=k_in, other=0.0)
+                    b = tl.load(fb_ptr + (row * F + t) * Q + q_idx, mask=q_in, other=0.0)
+                    z = z + a[:, None] * b[None, :]
+                acc, acc_key = _fold_costs(
+                    z, ok, ratio, h, remove, kept, resid, schur, pruned, floor, acc, acc_key, d, M
+                )
+    best = tl.min(tl.min(acc, axis=1), axis=0)
+    best_key = tl.min(tl.min(tl.where(acc == best, acc_key, no_key), axis=1), axis=0)
+    tl.store(out_val_ptr + i * n_split + split, best)
+    tl.store(out_key_ptr + i * n_split + split, best_key)
+
+
+def _check_contiguous(t: torch.Tensor, name: str) -> None:
+    """The scan addresses ``Z0^T`` as contiguous ``[R, Q, K]`` float64."""
+    if t.dtype != torch.float64 or not t.is_contiguous():
+        raise ValueError(f"{name} needs a contiguous float64 state tensor, got {t.dtype} with strides {t.stride()}")
+
+
+def scan_swaps(
+    state: TritonRefitState, rows: torch.Tensor, *, q_splits: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Best swap of every row in ``rows`` of ``state`` (not modified): the contract, costs and tie rule of
+    :func:`refit_state.scan_swaps` (the pair costs of ``Z = Z0 + sum_k fa_k fb_k^T``, each tile read adding the row's
+    pending terms; the terms and the slots to evaluate from :func:`scan_terms`).
+
+    Args:
+        state: the lazy state; rows: ``[n]`` int64 rows to scan.
+        q_splits: programs a row's pruned slots are split across (default: enough to fill the GPU).
+
+    Returns:
+        ``dF`` ``[n]`` float64 (``+inf`` where no feasible pair), kept slot ``i`` and pruned slot ``j`` ``[n]``
+        int64 (0 and 0 where no pair). Extra memory: ``[n, K]`` and ``[n, Q]`` terms only.
+    """
+    n = rows.numel()
+    (k_slots, q_slots), d = state.slots, state.w64.shape[1]
+    dev = state.w64.device
+    if n == 0 or k_slots == 0 or q_slots == 0:
+        return no_swaps(n, dev)
+    _check_contiguous(state.zt, "scan_swaps")
+    terms = scan_terms(state, rows, THRESHOLD_COLUMNS, SCAN_TILE[1])  # with N:M also the kept slots' ranges
+    if not state.m:  # the N:M ranges are never read: rows stand in
+        terms += [rows, rows]
+    block_k, block_q, num_warps = SCAN_TILE
+    n_tiles = triton.cdiv(q_slots, block_q)
+    terms = [t.contiguous() for t in terms]
+    n_split, tiles_per_split = tile_splits(n, n_tiles, dev, q_splits, programs_per_sm=SCAN_PROGRAMS_PER_SM)
+    part_val = torch.empty(n, n_split, dtype=torch.float64, device=dev)
+    part_key = torch.empty(n, n_split, dtype=torch.long, device=dev)
+    _scan_kernel[(n, n_split)](
+        state.zt, rows.contiguous(), *terms, part_val, part_key, state.fa, state.fb, state.rank, k_slots, q_slots, d,
+        state.factor_slots, tiles_per_split, n_split, n_tiles, M=state.m or 0, BLOCK_K=block_k, BLOCK_Q=block_q,
+        num_warps=num_warps, enable_fp_fusion=False,
+    )  # fmt: skip
+    return best_slots(part_val, part_key, terms[3], terms[4], terms[7], terms[8], d)
+
+
+def best_slots(
+    part_val: torch.Tensor,
+    part_key: torch.Tensor,
+    kept: torch.Tensor,
+    kept_ok: torch.Tensor,
+    pruned: torch.Tensor,
+    pruned_ok: torch.Tensor,
+    d: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The scan's answer from its partial minima, in one launch: per row the smallest of ``part_val``, on ties the
+    smallest of its ``part_key`` ``u * d + p``, and the first slot holding ``u`` among the occupied kept slots and
+    ``p`` among the marked pruned ones.
+
+    Args:
+        part_val, part_key: ``[n, n_split]`` float64 and int64 partial minima and keys of the scan's programs.
+        kept: ``[n, K]`` int64 kept inputs; kept_ok: ``[n, K]`` int8 occupied (nonzero); pruned: ``[n, Q]`` int64;
+            pruned_ok: ``[n, Q]`` int8 the pruned slots that may hold the winner. All contiguous, none modified.
+        d: inputs per row.
+
+    Returns:
+        ``dF`` ``[n]`` float64 and the kept and pruned slots ``[n]`` int64 (0 and 0 where ``dF`` is ``+inf`` or
+        no marked slot holds the input).
+    """
+    (n, n_split), k_slots, q_slots = part_val.shape, kept.shape[1], pruned.shape[1]
+    best = torch.empty(n, dtype=torch.float64, device=part_val.device)
+    slot_i, slot_j = (torch.empty(n, dtype=torch.long, device=part_val.device) for _ in range(2))
+    _best_slots_kernel[(n,)](
+        part_val, part_key, kept, kept_ok, pruned, pruned_ok, best, slot_i, slot_j, k_slots, q_slots, d, n_split,
+        BLOCK_S=triton.next_power_of_2(n_split), BLOCK=BEST_SLOTS_BLOCK, enable_fp_fusion=False,
+    )  # fmt: skip
+    return best, slot_i, slot_j
+
+
+@triton.jit
+def _best_slots_kernel(
+    part_val_ptr, part_key_ptr, kept_ptr, kept_ok_ptr, pruned_ptr, pruned_ok_ptr, best_ptr, slot_i_ptr, slot_j_ptr,
+    K, Q, d, n_split, BLOCK_S: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """Row ``i`` of :func:`best_slots` (one program per row)."""
+    i = tl.program_id(0).to(tl.int64)
+    no_key = 9223372036854775807
+    s = tl.arange(0, BLOCK_S)
+    val = tl.load(part_val_ptr + i * n_split + s, mask=s < n_split, other=float("inf"))
+    key = tl.load(part_key_ptr + i * n_split + s, mask=s < n_split, other=no_key)
+    best = tl.min(val, axis=0)
+    best_key = tl.min(tl.where(val == best, key, no_key), axis=0)
+    found = best < float("inf")
+    u = best_key // d
+    p = best_key % d
+    tl.store(best_ptr + i, best)
+    tl.store(slot_i_ptr + i, tl.where(found, _first_slot(kept_ptr + i * K, kept_ok_ptr + i * K, K, u, BLOCK), 0))
+    tl.store(slot_j_ptr + i, tl.where(found, _first_slot(pruned_ptr + i * Q, pruned_ok_ptr + i * Q, Q, p, BLOCK), 0))
+
+
+@triton.jit
+def _first_slot(inputs_row, ok_row, n_slots, target, BLOCK: tl.constexpr):
+    """The first of ``n_slots`` slots whose ``ok`` is nonzero and whose input is ``target`` (int64; 0 if none)."""
+    first = n_slots
+    for s0 in range(0, n_slots, BLOCK):
+        idx = s0 + tl.arange(0, BLOCK)
+        hit = (idx < n_slots) & (tl.load(ok_row + idx, mask=idx < n_slots, other=0) != 0)
+        hit = hit & (tl.load(inputs_row + idx, mask=idx < n_slots, other=-1) == target)
+        first = tl.minimum(first, tl.min(tl.where(hit, idx, n_slots), axis=0))
+    return tl.where(first < n_slots, first, 0).to(tl.int64)
+
+
+# The torch references of what the prologue kernel (scan_terms) computes: the tests check the kernel against them, and
+# benchmarks/refit_scan_skip.py measures the bound's skip with them on the reference state.
+
+
+def kept_slot_ranges(
+    kept: torch.Tensor, kept_ok: torch.Tensor, pruned: torch.Tensor, scanned: torch.Tensor, m: int, block_q: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """N:M: for every row and tile of ``block_q`` pruned slots, the kept slots ``[k_lo, k_hi)`` that hold the kept
+    inputs of the blocks of the tile's ``scanned`` slots: the only kept slots their pairs can use.
+
+    The state lists kept inputs ascending (:func:`refit_state.build_state`) and an N:M swap exchanges two inputs of
+    one block, so a row's kept slots stay sorted by block and the range is contiguous. A row whose slots are not
+    sorted by block gets every kept slot, ``[0, K)``. An empty range (``k_lo >= k_hi``) where no slot is scanned.
+
+    Args:
+        kept: ``[n, K]`` int64 kept inputs; kept_ok: ``[n, K]`` bool occupied; pruned: ``[n, Q]`` int64 pruned
+            inputs; scanned: ``[n, Q]`` bool slots to evaluate (none modified). m: the N:M block size.
+        block_q: pruned slots per tile.
+
+    Returns:
+        ``k_lo``, ``k_hi``: ``[n, ceil(Q / block_q)]`` int64. Cost: ``O(n (K + Q))``.
+    """
+    n, k_slots = kept.shape
+    big = torch.iinfo(torch.int32).max  # above every block; exact as pad's float fill value (int64's max is not)
+    kept_block = torch.where(kept_ok, kept // m, big)  # vacant slots last
+    pad = -pruned.shape[1] % block_q
+    pruned_block = pruned // m
+
+    def per_tile(fill: int) -> torch.Tensor:  # [n, Q] -> [n, tiles, block_q], unscanned slots and padding as fill
+        blocks = torch.nn.functional.pad(torch.where(scanned, pruned_block, fill), (0, pad), value=fill)
+        return blocks.view(n, -1, block_q)
+
+    k_lo = torch.searchsorted(kept_block, per_tile(big).amin(dim=2))
+    k_hi = torch.searchsorted(kept_block, per_tile(-1).amax(dim=2), right=True)
+    unsorted = (kept_block[:, 1:] < kept_block[:, :-1]).any(dim=1, keepdim=True)
+    return k_lo.masked_fill_(unsorted, 0), k_hi.masked_fill_(unsorted, k_slots)
+
+
+def columns_to_scan(
+    state: RefitState | LazyRefitState,
+    rows: torch.Tensor,
+    terms: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    pruned_ok: torch.Tensor,
+    pivot_floor: torch.Tensor,
+    m: int | None,
+) -> torch.Tensor:
+    """``[n, Q]`` bool: the pruned slots whose pairs the scan of ``rows`` must evaluate; the others cannot win or tie.
+
+    Every pair's change satisfies ``dF(u, p) >= -r_p^2 / s_p`` (the numba engine's bound). The costs of the row's
+    ``THRESHOLD_COLUMNS`` columns of largest restore gain give a cost ``c`` the scan reaches; a slot whose bound
+    exceeds ``c`` by the rounding margin :data:`refit_state.SKIP_RTOL` is not needed. Rows with a non-positive
+    ``H_uu`` or a NaN ``c`` (a broken state) need every slot. ``terms``:
+    :func:`refit_state.removal_terms` of ``rows``; ``pruned_ok``: the restorable slots (``Z`` is not modified).
+    Cost: ``THRESHOLD_COLUMNS`` ``[n, K]`` columns.
+    """
+    h_safe, ratio, remove = terms
+    kept_ok, schur, resid, pruned = state.kept_ok[rows], state.schur[rows], state.resid[rows], state.pruned[rows]
+    positive = pruned_ok & (schur > 0)
+    neg_gain = torch.where(positive, -resid.square() / torch.where(positive, schur, 1.0), float("inf"))
+    neg_gain = torch.where(pruned_ok & ~positive, -float("inf"), neg_gain)  # no bound there: always scanned
+    top = neg_gain.topk(min(THRESHOLD_COLUMNS, neg_gain.shape[1]), dim=1, largest=False).indices  # [n, c]
+    column = state.z_columns(rows, top)  # [n, K, c]
+
+    def at_top(t: torch.Tensor) -> torch.Tensor:  # [n, Q] -> [n, 1, c]
+        return t.gather(1, top)[:, None, :]
+
+    kept_terms = [t[:, :, None] for t in (h_safe, ratio, remove, state.kept[rows], kept_ok)]
+    pruned_terms = [at_top(t) for t in (schur, resid, pruned, pruned_ok)]
+    cost = pair_costs(column, *kept_terms, *pruned_terms, pivot_floor, m)
+    reached = cost.flatten(1).amin(dim=1, keepdim=True)
+    rem_max = torch.where(kept_ok, remove.abs(), 0.0).amax(dim=1, keepdim=True)
+    need = ~(neg_gain > reached + SKIP_RTOL * (rem_max - neg_gain))  # NaN: scanned
+    need |= ~((h_safe > 0) | ~kept_ok).all(dim=1, keepdim=True)
+    return need & pruned_ok
+
 
 # Elements of K or Q per block of a row's program.
 MOVE_BLOCK = 128
@@ -203,9 +535,9 @@ def _restore_kernel(
     tl.store(kept_ok_ptr + r * K + dest, 1)
 
 
-def moves(state, mode: int, rows: torch.Tensor, slot_a: torch.Tensor, slot_b: torch.Tensor):
-    """Apply move ``mode`` (:data:`SWAP`, :data:`REMOVE`, :data:`ADD`) to each of the distinct ``rows`` of the lazy
-    ``state`` (``[n]`` int64; ``slot_a`` kept slots, ``slot_b`` pruned slots as in ``LazyRefitState``), in place.
+def moves(state: TritonRefitState, mode: int, rows: torch.Tensor, slot_a: torch.Tensor, slot_b: torch.Tensor):
+    """Apply move ``mode`` (:data:`SWAP`, :data:`REMOVE`, :data:`ADD`) to each of the distinct ``rows`` of ``state``
+    (``[n]`` int64; ``slot_a`` kept slots, ``slot_b`` pruned slots as in :class:`TritonRefitState`), in place.
     The caller makes room for the pending terms. Returns the pruned and the restored inputs ``[n]`` int64 (-1 where
     none). Extra memory: ``[n, K]`` and ``[n, d]`` float64."""
     n = rows.numel()
@@ -270,12 +602,11 @@ def _prologue_kernel(
     resid_out, schur_out, pruned_out, ok_out, floor_out, need_out, gain_ptr, k_lo_out, k_hi_out, K, Q, F, d, n_tiles,
     steps, M: tl.constexpr, C: tl.constexpr, BLOCK: tl.constexpr, TILE_Q: tl.constexpr, TILE_BLOCK: tl.constexpr,
 ):  # fmt: skip
-    """Program ``e``: the scan's terms of row ``rows[e]`` as ``refit_triton.scan_swaps`` gathers them
-    (``refit_swaps.removal_terms``, ``restorable``, the pivot floor of each pruned slot) into ``[n, K]`` and
-    ``[n, Q]`` outputs, and ``need``: ``refit_triton.columns_to_scan`` with the costs of the row's ``C`` columns of
-    largest restore gain (``gain``: ``[n, Q]`` scratch). With N:M (``M > 0``) also ``k_lo``, ``k_hi``
-    (``[n, n_tiles]``): ``refit_triton.kept_slot_ranges`` for tiles of ``TILE_Q`` pruned slots, by binary searches
-    of ``steps`` halvings over the row's kept blocks (``TILE_BLOCK``: a multiple of ``TILE_Q``)."""
+    """Program ``e``: the scan's terms of row ``rows[e]`` (``refit_state.removal_terms``, ``restorable``, the pivot
+    floor of each pruned slot) into ``[n, K]`` and ``[n, Q]`` outputs, and ``need``: :func:`columns_to_scan` with the
+    costs of the row's ``C`` columns of largest restore gain (``gain``: ``[n, Q]`` scratch). With N:M (``M > 0``)
+    also ``k_lo``, ``k_hi`` (``[n, n_tiles]``): :func:`kept_slot_ranges` for tiles of ``TILE_Q`` pruned slots, by
+    binary searches of ``steps`` halvings over the row's kept blocks (``TILE_BLOCK``: a multiple of ``TILE_Q``)."""
     e = tl.program_id(0).to(tl.int64)
     r = tl.load(rows_ptr + e)
     n_terms = tl.load(rank_ptr + r)
@@ -395,18 +726,18 @@ def _prologue_kernel(
 
 @cache
 def _skip_rtol(device: torch.device) -> torch.Tensor:
-    """``[1]`` float64 :data:`refit_swaps.SKIP_RTOL` on ``device`` (a float64 kernel argument; a Python float would
+    """``[1]`` float64 :data:`refit_state.SKIP_RTOL` on ``device`` (a float64 kernel argument; a Python float would
     pass as float32), copied there once instead of once per scan."""
     return torch.tensor([SKIP_RTOL], dtype=torch.float64, device=device)
 
 
-def scan_terms(state, rows: torch.Tensor, threshold_columns: int, tile_q: int) -> list[torch.Tensor]:
-    """The terms ``refit_triton.scan_swaps`` passes its kernel for rows ``rows`` of the lazy ``state``, in its
-    order -- ``ratio``, ``h_safe``, ``remove``, ``kept``, ``kept_ok`` (int8), ``resid``, ``schur``, ``pruned``,
-    restorable (int8), the pivot floor of each pruned slot, ``need`` (int8), and with N:M ``k_lo``, ``k_hi``
-    (``refit_triton.kept_slot_ranges`` for tiles of ``tile_q`` pruned slots) -- from one kernel launch instead of
-    the torch prologue's gathers, ``columns_to_scan`` (``threshold_columns`` columns set the threshold) and
-    ``kept_slot_ranges``."""
+def scan_terms(state: TritonRefitState, rows: torch.Tensor, threshold_columns: int, tile_q: int) -> list[torch.Tensor]:
+    """The terms :func:`scan_swaps` passes its kernel for rows ``rows`` of ``state``, in its order -- ``ratio``,
+    ``h_safe``, ``remove``, ``kept``, ``kept_ok`` (int8), ``resid``, ``schur``, ``pruned``, restorable (int8), the
+    pivot floor of each pruned slot, ``need`` (int8), and with N:M ``k_lo``, ``k_hi`` (:func:`kept_slot_ranges` for
+    tiles of ``tile_q`` pruned slots) -- from one kernel launch: the torch references' gathers,
+    :func:`columns_to_scan` (``threshold_columns`` columns set the threshold) and :func:`kept_slot_ranges`, bit for
+    bit."""
     n, (k_slots, q_slots), d = rows.numel(), state.slots, state.w64.shape[1]
 
     def empty(slots: int, dtype: torch.dtype) -> torch.Tensor:
@@ -428,3 +759,47 @@ def scan_terms(state, rows: torch.Tensor, threshold_columns: int, tile_q: int) -
         enable_fp_fusion=False,
     )  # fmt: skip
     return kept_side + pruned_side + (ranges if state.m else [])
+
+
+class TritonRefitState(LazyRefitState):
+    """The lazy re-fit state (:class:`~sparseswaps_prune.core.backends.refit_lazy.LazyRefitState`: attributes,
+    arguments, build, fold, grow) on CUDA tensors (CPU ones in the Triton interpreter), its scan
+    :func:`scan_swaps` and its moves :func:`moves`; every row folds its pending terms when a call could overflow one.
+    Slot counts are rounded up by :func:`aligned_slots` (:meth:`slot_count`).
+
+    Raises:
+        ValueError: a bad ``factor_slots``, or a singular ``G_SS + lambda I`` (names the rows).
+    """
+
+    @staticmethod
+    def slot_count(n_slots: int, d: int) -> int:
+        """:func:`aligned_slots`."""
+        return aligned_slots(n_slots, d)
+
+    def scan(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:func:`scan_swaps` of ``rows``."""
+        return scan_swaps(self, rows)
+
+    def _make_room(self, terms: int) -> None:
+        """Fold every row before a call that adds ``terms`` pending terms per row could overflow one."""
+        if self.max_rank + terms > self.factor_slots:
+            self.fold(torch.arange(self.rank.numel(), device=self.rank.device))
+            self.max_rank = 0
+        self.max_rank += terms
+
+    def swap(self, rows: torch.Tensor, slot_i: torch.Tensor, slot_j: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Swap kept slot ``slot_i`` and pruned slot ``slot_j`` of each (distinct) row; returns the inputs
+        ``(u, p)``."""
+        self._make_room(2)
+        return moves(self, SWAP, rows, slot_i, slot_j)
+
+    def remove(self, rows: torch.Tensor, slot_i: torch.Tensor, vacant_j: torch.Tensor) -> torch.Tensor:
+        """Prune kept slot ``slot_i`` of each row into its vacant pruned slot ``vacant_j``; returns the inputs."""
+        self._make_room(1)
+        return moves(self, REMOVE, rows, slot_i, vacant_j)[0]
+
+    def add(self, rows: torch.Tensor, slot_j: torch.Tensor, vacant_i: torch.Tensor) -> torch.Tensor:
+        """Restore pruned slot ``slot_j`` of each row into its vacant kept slot ``vacant_i`` (the pruned slot
+        becomes vacant); returns the inputs."""
+        self._make_room(1)
+        return moves(self, ADD, rows, vacant_i, slot_j)[1]

@@ -9,12 +9,12 @@ the scan stops at the first one whose gain cannot beat the row's best swap (with
 could win or tie is skipped). Each visited column ``Z[:, p]`` is formed from ``Z0`` and the pending terms.
 
 Every pair visited is evaluated in float64 with the formula and operation order of
-:func:`~sparseswaps_prune.core.refit_swaps.scan_swaps` (no fused multiply-add), ties to the smallest ``u`` then
+:func:`~sparseswaps_prune.core.backends.refit_state.scan_swaps` (no fused multiply-add), ties to the smallest ``u`` then
 ``p`` (input indices), so the chosen swap is the float64 argmin over all pairs -- the same one as the torch scan and
 the brute force, up to the rounding differences of the state (the state is float64 in both, updated in a different
 order). The scan works on few columns per row, so a float32 pre-scan would not pay: it is not used.
 
-Slots, vacancy, the pivot floor and exact-zero weights follow :mod:`~sparseswaps_prune.core.refit_swaps`.
+Slots, vacancy, the pivot floor and exact-zero weights follow :mod:`~sparseswaps_prune.core.backends.refit_state`.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch
 
 from sparseswaps_prune.core.backends.numba_search import min_key64
 from sparseswaps_prune.core.backends.refit_lazy import LazyRefitState
-from sparseswaps_prune.core.refit_swaps import SKIP_RTOL
+from sparseswaps_prune.core.backends.refit_state import SKIP_RTOL
 
 _SWAP, _REMOVE, _ADD = 0, 1, 2
 
@@ -139,7 +139,7 @@ def _scan(
 
 @nb.njit(cache=True)
 def _remove(r, i, kept, kept_ok, inv, hdiag, coef, resid, schur, zt, fa, fc, fb, rank, zin):  # pragma: no cover
-    """Prune the input of kept slot ``i`` of row ``r`` (see ``refit_swaps.remove_kept``); adds one pending term.
+    """Prune the input of kept slot ``i`` of row ``r`` (see ``refit_state.remove_kept``); adds one pending term.
     Writes the pruned input's new ``Z`` column into ``zin`` and returns ``(u, r_u, s_u)``."""
     k_slots = kept.shape[1]
     q_slots = resid.shape[1]
@@ -209,7 +209,7 @@ def _restore(r, dest, p, piv, ratio, y, acc, t, gram, kept, kept_ok, pruned, pru
              fa, fc, fb, rank):  # pragma: no cover - compiled  # fmt: skip
     """Restore input ``p`` (pivot ``s_p``, re-fitted value ``ratio = r_p / s_p``, column ``y = Z[:, p]`` and
     ``acc = sum_{s in S} y_s G[s, :]``) into vacant kept slot ``dest`` of row ``r`` (see
-    ``refit_swaps.add_pruned``); adds one pending term."""
+    ``refit_state.add_pruned``); adds one pending term."""
     k_slots = kept.shape[1]
     q_slots = pruned.shape[1]
     for q in range(q_slots):  # t_q = G_pq - G[p, S] Z[:, q] = G_pq - y^T G[S, q]
@@ -296,7 +296,7 @@ class NumbaRefitState(LazyRefitState):
 
     def scan(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Best swap of every row in ``rows`` (``[n]`` int64): ``dF`` ``[n]`` float64 (``+inf`` where no feasible
-        pair), kept slot and pruned slot ``[n]`` int64; as :func:`~sparseswaps_prune.core.refit_swaps.scan_swaps`."""
+        pair), kept slot and pruned slot ``[n]`` int64; as :func:`~.refit_state.scan_swaps`."""
         n = rows.numel()
         dl = np.empty(n)
         slot_i, slot_j, cols = np.empty(n, np.int64), np.empty(n, np.int64), np.empty(n, np.int64)
@@ -345,7 +345,7 @@ class NumbaRefitState(LazyRefitState):
 
     def swap(self, rows: torch.Tensor, slot_i: torch.Tensor, slot_j: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Swap kept slot ``slot_i`` and pruned slot ``slot_j`` of each (distinct) row; returns the inputs
-        ``(u, p)`` (as :func:`~sparseswaps_prune.core.refit_swaps.swap_slots`)."""
+        ``(u, p)`` (as :func:`~sparseswaps_prune.core.backends.refit_state.swap_slots`)."""
         return self._moves(_SWAP, rows, slot_i, slot_j)
 
     def remove(self, rows: torch.Tensor, slot_i: torch.Tensor, vacant_j: torch.Tensor) -> torch.Tensor:

@@ -16,12 +16,13 @@ from transformers import AutoModelForCausalLM
 
 from sparseswaps_prune.cli import build_parser, job_config
 from sparseswaps_prune.core.spec import build_spec
-from sparseswaps_prune.llm import budgets, pipeline
+from sparseswaps_prune.llm import owl as llm_owl
+from sparseswaps_prune.llm import pipeline
 from sparseswaps_prune.llm.job import JobConfig
-from sparseswaps_prune.llm.layers import find_blocks
 from sparseswaps_prune.llm.models import tiny_model
 from sparseswaps_prune.llm.pipeline import PruneOptions, block_options, finalize, prune_model
 from sparseswaps_prune.llm.streaming import prune_checkpoint
+from sparseswaps_prune.modules import find_blocks
 from sparseswaps_prune.recipes import RECIPES
 from tests.llm.helpers import crash_on_call, saved_tensors
 
@@ -87,7 +88,7 @@ def test_uniform_runs_no_pre_pass_and_zero_lambda_equals_uniform(monkeypatch):
     flat = owl(lam=0.0)
     reference = model()
     with monkeypatch.context() as patch:
-        patch.setattr(budgets, "capture_block_inputs", lambda *a, **k: pytest.fail("uniform ran the OWL pre-pass"))
+        patch.setattr(llm_owl, "capture_block_inputs", lambda *a, **k: pytest.fail("uniform ran the OWL pre-pass"))
         expected = prune_model(reference, calib(), uniform, batch_size=2, progress=False)
     finalize(reference)
     other = model()

@@ -1,4 +1,4 @@
-"""Per-block sparsity budgets of a causal LM from one dense forward: OWL (``PruneOptions.sparsity_profile="owl"``).
+"""OWL's per-block sparsity budgets of a causal LM from one dense forward (``PruneOptions.sparsity_profile="owl"``).
 
 The calibration windows run once through the dense model, block by block (:mod:`~sparseswaps_prune.llm.capture`),
 while forward hooks sum each pruned layer's squared inputs per feature (the Gram diagonal; no Gram is formed). Each
@@ -13,37 +13,23 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
 from tqdm.auto import tqdm
 
 from sparseswaps_prune.core.budgets import outlier_ratio, owl_sparsities
-from sparseswaps_prune.llm import offload
 from sparseswaps_prune.llm.capture import capture_block_inputs
+from sparseswaps_prune.llm.offload import on_device
 from sparseswaps_prune.modules import find_layers, input_hooks
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BlockLoader", "on_device", "owl_block_sparsities"]
+__all__ = ["BlockLoader", "owl_block_sparsities"]
 
 BlockLoader = Callable[[int], contextlib.AbstractContextManager[None]]
 """``loader(index)``: a context manager inside which decoder block ``index`` has its weights on the compute device."""
-
-
-@contextlib.contextmanager
-def on_device(block: nn.Module, device: torch.device) -> Iterator[None]:
-    """``block`` on ``device`` inside (materialised there when accelerate dispatches it), back outside."""
-    if offload.is_dispatched(block):
-        with offload.onloaded(block, device):
-            yield
-    else:
-        block.to(device)
-        try:
-            yield
-        finally:
-            block.to("cpu")
 
 
 @torch.no_grad()
@@ -69,7 +55,7 @@ def owl_block_sparsities(
         model: the dense causal LM on the CPU (or dispatched by accelerate), in eval mode; its weights are not
             modified (each block visits ``device`` and returns).
         blocks, blocks_name: its decoder blocks and their dotted path
-            (:func:`~sparseswaps_prune.llm.layers.find_blocks`).
+            (:func:`~sparseswaps_prune.modules.find_blocks`).
         calib_tokens: ``[n, seqlen]`` int64 calibration windows.
         target: the mean sparsity over the blocks, in ``[0, 1)``.
         m, lam: OWL's ``M`` (``owl_m``) and ``lambda`` (``owl_lambda``).
@@ -78,7 +64,8 @@ def owl_block_sparsities(
         device: compute device for each block.
         batch_size: calibration windows per forward.
         progress: show a tqdm bar.
-        loader: puts each block's weights on ``device`` for its forward (default: :func:`on_device`; the block-wise
+        loader: puts each block's weights on ``device`` for its forward (default:
+            :func:`~sparseswaps_prune.llm.offload.on_device`; the block-wise
             path reads the block from the checkpoint and drops it after). The capture of the first block's inputs
             runs before, with the embeddings and block 0 where ``model`` has them.
 
