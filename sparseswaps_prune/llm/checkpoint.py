@@ -79,9 +79,9 @@ INPUT_KEYS = STREAMS + tuple(dense_key(key) for key in STREAMS)  # every key a c
 # (e.g. the job's dense.json) is ever removed.
 _OWN_FILE = re.compile(r"^(block_\d+\.pt|inputs_\w+\.pt|\.(block_|inputs_|progress\.json).*\.tmp)$")
 _BLOCK_FILE, _INPUT_FILE = re.compile(r"block_\d{4,}\.pt"), re.compile(r"inputs_\w+\.pt")
-# Settings only the block-wise path's fingerprint records (``streaming._fingerprint``): a checkpoint holding them was
-# made by ``prune_checkpoint`` (``--blockwise``), one without them by ``prune_model`` (in memory). The two hash the
-# weights differently (the source's files; the loaded parameters), so their model parts cannot be compared.
+# Settings only the block-wise path's fingerprint records (``io.fingerprints.blockwise_fingerprint``): a checkpoint
+# holding them was made by ``prune_checkpoint`` (``--blockwise``), one without them by ``prune_model`` (in memory). The
+# two hash the weights differently (the source's files; the loaded parameters), so their model parts cannot be compared.
 BLOCKWISE_SETTINGS = ("max_shard_size", "output_plan")
 # Config entries that do not change the computation (paths, versions, the dtype: a part of its own).
 _CONFIG_IGNORED = {"_name_or_path", "transformers_version", "torch_dtype", "dtype", "_commit_hash"}

@@ -5,7 +5,8 @@ per distinct layer input, compute every layer's warmstart mask and refine it, ap
 ``torch.nn.utils.prune`` reparametrization), then run the pruned block to get the next block's inputs.
 With ``checkpoint_dir`` every finished block leaves what is needed to continue on disk
 (:mod:`~sparseswaps_prune.llm.checkpoint`), and a restarted call with the same model, data and options continues
-from there and gives the same masks and weights.
+from there and gives the same masks and weights. :func:`prune_model` runs the block loop of
+:mod:`~sparseswaps_prune.llm.blocks` over the loaded model; this module holds the per-block step.
 """
 
 from __future__ import annotations
@@ -26,15 +27,16 @@ from torch.nn.utils import prune
 from tqdm.auto import tqdm
 
 from sparseswaps_prune.core.budgets import OWL_LAMBDA, OWL_M, PROFILES, check_owl_m
-from sparseswaps_prune.core.checks import check_budget, check_device, check_keeps_some, check_number
+from sparseswaps_prune.core.checks import check_budget, check_keeps_some, check_number
 from sparseswaps_prune.core.gram import GramAccumulator
 from sparseswaps_prune.core.layer import LayerOutcome, prune_layer
 from sparseswaps_prune.core.spec import Budget, DSnoTRefine, PruneSpec
 from sparseswaps_prune.llm import block_tune, checkpoint, offload
 from sparseswaps_prune.llm.block_tune import BlockTuneReport, check_tune, tune_block
-from sparseswaps_prune.llm.capture import BlockInputs, capture_block_inputs
+from sparseswaps_prune.llm.blocks import BlockRun, BlockSink, BlockSource, run_blocks
+from sparseswaps_prune.llm.capture import BlockInputs
 from sparseswaps_prune.llm.checkpoint import STREAMS, dense_key
-from sparseswaps_prune.llm.distributed import Ranks, WindowShards, plan_work, sum_shard_grams
+from sparseswaps_prune.llm.distributed import WindowShards, plan_work, sum_shard_grams
 from sparseswaps_prune.llm.io.fingerprints import checkpoint_settings
 from sparseswaps_prune.llm.layers import group_by_input
 from sparseswaps_prune.llm.owl import BlockLoader, owl_block_sparsities
@@ -267,16 +269,6 @@ class LayerReport:
         return 0.0 if self.loss_start <= 0 else 1.0 - self.loss_final / self.loss_start
 
 
-def progress_postfix(layers: list[LayerReport]) -> dict[str, str]:
-    """A block's progress-bar postfix: the mean per-layer loss reduction of the refined mask (``refined``) and of the
-    final weights (``final``) over the start mask, e.g. ``{"refined": "0.0%", "final": "61.2%"}``."""
-    n = max(1, len(layers))
-    return {
-        "refined": f"{sum(layer.reduction for layer in layers) / n:.1%}",
-        "final": f"{sum(layer.final_reduction for layer in layers) / n:.1%}",
-    }
-
-
 @dataclass
 class PruneResult:
     """What :func:`prune_model` returns: per-layer reports and both mask sets (``[d_out, d_in]`` bool, CPU).
@@ -292,22 +284,6 @@ class PruneResult:
     dense_weights: dict[str, torch.Tensor] = field(default_factory=dict)
     block_tunes: list[BlockTuneReport] = field(default_factory=list)
     seconds: float = 0.0
-
-
-@dataclass
-class BlockRun:
-    """What every block of one run shares: the decoder ``blocks`` and their dotted path ``blocks_name``, the compute
-    ``device``, whether progress bars show (``progress``) and the original weights are kept (``keep_dense``), the
-    ``ranks`` the layers are divided among (None: one process) and the split of the windows into ``shards`` (None:
-    one shard, all windows)."""
-
-    blocks: nn.ModuleList
-    blocks_name: str
-    device: torch.device
-    progress: bool = False
-    keep_dense: bool = False
-    ranks: Ranks | None = None
-    shards: dict[str, WindowShards] | None = None
 
 
 def _to_cpu(block: nn.Module, layers: list[PrunableLayer]) -> None:
@@ -377,90 +353,72 @@ def prune_model(
             :class:`~sparseswaps_prune.llm.checkpoint.CheckpointMismatch` for a checkpoint of another run (another
             model, data, options or number of ranks).
     """
-    options.validate()
-    if distributed:
-        options.require_whole_windows("distributed=True (--distributed)")
-    start = time.perf_counter()
-    check_layers(model, options)
-    blocks_name, blocks = find_blocks(model, options.blocks_path)
-    offload.check_prunable(model, blocks, checkpoint=checkpoint_dir is not None, distributed=distributed)
-    device = check_device(device)
-    ranks = Ranks.current() if distributed else None
-    if ranks is not None and options.row_shards and not options.spec.row_separable:
-        logger.warning("row_shards=%d prunes whole layers: %s", options.row_shards, options.spec.row_obstacle)
-    shards = window_shards(options, calib_tokens, holdout_tokens, batch_size, ranks)
-    progress = progress and (ranks is None or ranks.is_main)
-    # before a checkpoint's finished blocks are restored: OWL's budgets are those of the dense model
-    per_block = block_options(model, blocks, blocks_name, calib_tokens, options, device, batch_size, progress)
-    state = Path(checkpoint_dir) if checkpoint_dir is not None else None
-    result, first_block, inputs = PruneResult(), 0, None
-    if state is not None:
-        settings = checkpoint_settings(keep_dense, ranks, batch_size=batch_size, device=device)
-        fingerprint = checkpoint.fingerprint(model, options, calib_tokens, holdout_tokens, **settings)
-        resumed = checkpoint.load(state, fingerprint, ranks)
-        if resumed is not None:
-            first_block, inputs = resumed.next_block, resumed.inputs
-            _restore(resumed, blocks, blocks_name, options, result, keep_dense)
-    if inputs is None:
-        inputs = capture_shards(
-            model, blocks, calib_tokens, holdout_tokens, batch_size, shards, dense=options.block_tune_epochs > 0
-        )
-    run = BlockRun(blocks, blocks_name, device, progress, keep_dense, ranks, shards)
-    bar = tqdm(
-        range(first_block, len(blocks)), desc="blocks", disable=not progress, initial=first_block, total=len(blocks)
-    )
-    for index in bar:
-        layers, reports, inputs = _process_block(run, index, inputs, per_block[index], result)
-        result.layers.extend(reports)
-        if state is not None:
-            checkpoint.save_block(state, fingerprint, index, inputs, layers, result, reports, ranks)
-        if reports:
-            bar.set_postfix(progress_postfix(reports))
-    result.seconds = time.perf_counter() - start
-    return result
+    run = dict(device=device, batch_size=batch_size, distributed=distributed, checkpoint_dir=checkpoint_dir)
+    return run_blocks(_ModelSource(model), _ResultSink(keep_dense), options, calib_tokens, holdout_tokens,
+                      _process_block, progress=progress, **run)  # fmt: skip
 
 
-def window_shards(
-    options: PruneOptions,
-    calib_tokens: torch.Tensor,
-    holdout_tokens: torch.Tensor | None,
-    batch_size: int,
-    ranks: Ranks | None,
-) -> dict[str, WindowShards]:
-    """The split of the calibration (``"fit"``) and held-out (``"holdout"``) windows into ``options.calib_shards``
-    shards and among ``ranks`` (:class:`~sparseswaps_prune.llm.distributed.WindowShards`).
+class _ModelSource(BlockSource):
+    """The blocks of a loaded model: in memory, or where accelerate keeps them (``_process_block`` onloads them)."""
 
-    Raises:
-        ValueError: ``calib_shards`` does not fit the windows, the batch size or the ranks (naming the fix).
-    """
-    world_size, rank = (1, 0) if ranks is None else (ranks.world_size, ranks.rank)
-    tokens = {"fit": (calib_tokens, "calibration"), "holdout": (holdout_tokens, "held-out")}
-    return {
-        key: WindowShards(int(ids.shape[0]), batch_size, options.calib_shards, world_size, rank, what)
-        for key, (ids, what) in tokens.items()
-        if ids is not None
-    }
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    def open(self, options: PruneOptions, distributed: bool, checkpointed: bool) -> None:
+        check_layers(self.model, options)
+        self.blocks_name, self.blocks = find_blocks(self.model, options.blocks_path)
+        offload.check_prunable(self.model, self.blocks, checkpoint=checkpointed, distributed=distributed)
+
+    def block_options(
+        self, options: PruneOptions, calib_tokens: torch.Tensor, device: torch.device, batch_size: int, progress: bool
+    ) -> list[PruneOptions]:
+        return block_options(self.model, self.blocks, self.blocks_name, calib_tokens, options, device, batch_size,
+                             progress)  # fmt: skip
 
 
-def capture_shards(
-    model: nn.Module,
-    blocks: nn.ModuleList,
-    calib_tokens: torch.Tensor,
-    holdout_tokens: torch.Tensor | None,
-    batch_size: int,
-    shards: dict[str, WindowShards],
-    dense: bool = False,
-) -> dict[str, BlockInputs]:
-    """Capture the inputs of block 0 for this rank's windows only (``shards[key].rows`` of ``[n, seqlen]`` tokens;
-    all of them with one shard). Each batch is captured on its own, so the rows are those a capture of all windows
-    would give. With ``dense`` (block tuning) the same inputs also start the dense model's streams, under
-    :func:`~sparseswaps_prune.llm.checkpoint.dense_key` (``"fit_dense"``, ``"holdout_dense"``)."""
-    tokens = {"fit": calib_tokens, "holdout": holdout_tokens}
-    inputs = {
-        key: capture_block_inputs(model, blocks, tokens[key][split.rows], batch_size=batch_size)
-        for key, split in shards.items()
-    }
-    return inputs | ({dense_key(key): part for key, part in inputs.items()} if dense else {})
+class _ResultSink(BlockSink):
+    """The masks and reports in a :class:`PruneResult`, the model pruned in place; a checkpoint records each block's
+    masks and weights (:func:`~sparseswaps_prune.llm.checkpoint.save_block`)."""
+
+    def __init__(self, keep_dense: bool) -> None:
+        self.keep_dense, self.result, self.start = keep_dense, PruneResult(), time.perf_counter()
+
+    def fingerprint(self, calib: torch.Tensor, holdout: torch.Tensor | None, batch_size: int) -> checkpoint.Fingerprint:
+        settings = checkpoint_settings(self.keep_dense, self.ranks, batch_size=batch_size, device=self.device)
+        return checkpoint.fingerprint(self.source.model, self.options, calib, holdout, **settings)
+
+    def begin(self, resumed: checkpoint.Resumed | None) -> None:
+        """Re-apply the masks (and re-fitted weights) of a checkpoint's finished blocks and collect their results."""
+        for index, saved in [] if resumed is None else resumed.blocks():
+            prefix, options = f"{self.source.blocks_name}.{index}", self.options
+            for layer in find_layers(
+                self.source.blocks[index], prefix=prefix, include=options.include, exclude=options.exclude
+            ):
+                apply_mask(layer, saved["masks"][layer.name], saved["weights"].get(layer.name))
+            self.result.masks.update(saved["masks"])
+            self.result.warmstart_masks.update(saved["warmstart"])
+            if self.keep_dense:
+                self.result.dense_weights.update(saved["dense"])
+            reports, tunes = saved_reports(saved)
+            self.result.layers.extend(reports)
+            self.result.block_tunes.extend(tunes)
+
+    def block(self, index: int) -> PruneResult:
+        return self.result
+
+    def write(self, index: int, layers: list[PrunableLayer], reports: list[LayerReport], step: PruneResult) -> None:
+        self.result.layers.extend(reports)
+
+    def commit(
+        self, index: int, inputs: dict[str, BlockInputs], layers: list[PrunableLayer], reports: list[LayerReport],
+        step: PruneResult,
+    ) -> None:  # fmt: skip
+        if self.record is not None:
+            checkpoint.save_block(*self.record, index, inputs, layers, self.result, reports, self.ranks)
+
+    def finish(self) -> PruneResult:
+        self.result.seconds = time.perf_counter() - self.start
+        return self.result
 
 
 def check_layers(model: nn.Module, options: PruneOptions) -> list[PrunableLayer]:
@@ -699,30 +657,6 @@ def _prune_block(
         scale = None if holdout is None else fit.n_tokens / holdout.n_tokens
         reports.append(LayerReport.from_outcome(layer.name, index, outcome, scale))
     return reports
-
-
-def _restore(
-    resumed: checkpoint.Resumed,
-    blocks: nn.ModuleList,
-    blocks_name: str,
-    options: PruneOptions,
-    result: PruneResult,
-    keep_dense: bool,
-) -> None:
-    """Re-apply the masks (and re-fitted weights) of a checkpoint's finished blocks and collect their results."""
-    for index, saved in resumed.blocks():
-        layers = find_layers(
-            blocks[index], prefix=f"{blocks_name}.{index}", include=options.include, exclude=options.exclude
-        )
-        for layer in layers:
-            apply_mask(layer, saved["masks"][layer.name], saved["weights"].get(layer.name))
-        result.masks.update(saved["masks"])
-        result.warmstart_masks.update(saved["warmstart"])
-        if keep_dense:
-            result.dense_weights.update(saved["dense"])
-        reports, tunes = saved_reports(saved)
-        result.layers.extend(reports)
-        result.block_tunes.extend(tunes)
 
 
 def saved_reports(saved: dict[str, Any]) -> tuple[list[LayerReport], list[BlockTuneReport]]:

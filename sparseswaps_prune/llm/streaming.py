@@ -5,9 +5,10 @@
 decoder block (embeddings; every non-block tensor except an untied ``lm_head``) and block 0 from the checkpoint's
 safetensors, and captures the calibration inputs of block 0 (:func:`~sparseswaps_prune.llm.capture
 .capture_block_inputs`). The non-block tensors are then written out and dropped. Each decoder block in turn is
-read from the shards (only its own keys), pruned by the same per-block step as :func:`~sparseswaps_prune.llm
-.pipeline.prune_model` (``pipeline._process_block``), made permanent (exact zeros), written into the output shards
-at its planned offsets, and dropped; its masks are not kept.
+read from the shards (only its own keys), pruned by the same block loop and per-block step as
+:func:`~sparseswaps_prune.llm.pipeline.prune_model` (:func:`~sparseswaps_prune.llm.blocks.run_blocks`,
+``pipeline._process_block``), made permanent (exact zeros), written into the output shards at its planned offsets,
+and dropped; its masks are not kept.
 
 The source may also be a GGUF file (:class:`~sparseswaps_prune.llm.io.readers.GGUFCheckpoint`, e.g. the packaged
 default model): each block's tensors are de-quantized and converted on their own by transformers' GGUF loading steps,
@@ -52,23 +53,22 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
-from tqdm.auto import tqdm
 
-from sparseswaps_prune.core.checks import check_device
 from sparseswaps_prune.extras import require
 from sparseswaps_prune.llm import checkpoint, pipeline
 from sparseswaps_prune.llm.block_tune import BlockTuneReport
+from sparseswaps_prune.llm.blocks import BlockSink, BlockSource, run_blocks
+from sparseswaps_prune.llm.capture import BlockInputs
 from sparseswaps_prune.llm.distributed import Ranks
 from sparseswaps_prune.llm.io.fingerprints import blockwise_fingerprint
 from sparseswaps_prune.llm.io.formats import tensor_bytes
 from sparseswaps_prune.llm.io.memory import MemoryProbe
-from sparseswaps_prune.llm.io.readers import CheckpointReader, key_map, load_tensors, open_checkpoint
+from sparseswaps_prune.llm.io.readers import key_map, load_tensors, open_checkpoint
 from sparseswaps_prune.llm.io.skeleton import drop_tensors, empty_model, is_param, resolve_dtype
 from sparseswaps_prune.llm.io.writers import OUR_WEIGHTS, ShardedWriter, write_configs
 from sparseswaps_prune.llm.offload import on_device
 from sparseswaps_prune.llm.pipeline import LayerReport, PruneOptions, PruneResult, check_layers, finalize
-from sparseswaps_prune.modules import find_blocks
+from sparseswaps_prune.modules import PrunableLayer, find_blocks
 
 __all__ = ["StreamResult", "prune_checkpoint"]
 
@@ -98,45 +98,6 @@ class StreamResult:
     report: dict[str, Any] = field(default_factory=dict)
     seconds: float = 0.0
     block_tunes: list[BlockTuneReport] = field(default_factory=list)
-
-
-def _block_options(
-    model: nn.Module,
-    blocks: nn.ModuleList,
-    blocks_name: str,
-    reader: CheckpointReader,
-    mapping: dict[str, str],
-    for_capture: list[str],
-    block_keys: list[list[str]],
-    calib_tokens: torch.Tensor,
-    options: PruneOptions,
-    device: torch.device,
-    batch_size: int,
-    progress: bool,
-) -> list[PruneOptions]:
-    """:func:`~sparseswaps_prune.llm.pipeline.block_options` (OWL's budgets) of the model the skeleton ``model`` is
-    read into: the tensors outside the blocks and block 0 are loaded for the capture, each block is read for its
-    dense forward and dropped after, and the tensors outside the blocks are dropped at the end, so the model is
-    again the empty skeleton (``blocks``, ``blocks_name``: its decoder blocks and their path)."""
-
-    @contextlib.contextmanager
-    def loaded(index: int) -> Iterator[None]:
-        if index > 0:  # block 0 is loaded with the tensors the capture needs
-            load_tensors(model, reader, mapping, block_keys[index])
-        try:
-            with on_device(blocks[index], device):
-                yield
-        finally:
-            blocks[index].to("meta")
-
-    load_tensors(model, reader, mapping, for_capture + block_keys[0])
-    try:
-        return pipeline.block_options(
-            model, blocks, blocks_name, calib_tokens, options, device, batch_size, progress, loader=loaded
-        )
-    finally:
-        blocks[0].to("meta")
-        drop_tensors(model, for_capture)
 
 
 def prune_checkpoint(
@@ -210,174 +171,224 @@ def prune_checkpoint(
             is written.
     """
     require("llm", "transformers", "accelerate", "safetensors")
-    start = time.perf_counter()
-    probe = MemoryProbe()
-    options.validate()
-    if distributed:
-        options.require_whole_windows("distributed=True (--distributed)")
-    device = check_device(device)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    ranks = Ranks.current() if distributed else Ranks(0, 1)
-    checkpoint_ranks = ranks if distributed else None  # as prune_model: one process records no rank
-    progress = progress and ranks.is_main
-    reader = open_checkpoint(source, gguf_file)
-    source_dir, out = reader.directory, Path(out_dir)
-    if out.exists() and out.resolve() == source_dir.resolve():
-        raise ValueError(f"out_dir is the source directory {source_dir}; write the pruned model elsewhere")
-    config = reader.load_config()
-    dtype = resolve_dtype(config, dtype)
-    model = empty_model(config, dtype)
-    model.config.use_cache = False  # as load_model sets it (after the generation config was made)
-    total_parameters = model.num_parameters()  # now, while tied weights are still one parameter
-    check_layers(model, options)
-    shards = pipeline.window_shards(options, calib_tokens, holdout_tokens, batch_size, ranks)
-    blocks_name, blocks = find_blocks(model, options.blocks_path)
-    mapping = key_map(model, reader)
-    state = model.state_dict(keep_vars=True)
-    block_keys = [
-        [name for name in mapping if name.startswith(f"{blocks_name}.{index}.")] for index in range(len(blocks))
-    ]
-    in_blocks = {name for keys in block_keys for name in keys}
-    outside = [name for name in mapping if name not in in_blocks]
-    # An untied lm_head is not needed for the capture: it is copied to the output tensor by tensor.
-    head_module, head = model.get_output_embeddings(), set()
-    if head_module is not None and head_module.weight is not model.get_input_embeddings().weight:
-        head_name = next(name for name, module in model.named_modules() if module is head_module)
-        head = {f"{head_name}.{leaf}" for leaf in head_module._parameters} & set(outside)
-    for_capture = [name for name in outside if name not in head]
-    # In the order save_pretrained uses for the model from_pretrained loads from this source.
-    planned = [(name, state[name].dtype, tuple(state[name].shape)) for name in reader.save_order(model, list(mapping))]
-    block_options = [options] * len(blocks)
-    if options.sparsity_profile != "uniform":  # OWL's pre-pass reads every block once more, before anything is written
-        block_options = _block_options(model, blocks, blocks_name, reader, mapping, for_capture, block_keys,
-                                       calib_tokens, options, device, batch_size, progress)  # fmt: skip
+    run = dict(device=device, batch_size=batch_size, distributed=distributed, checkpoint_dir=checkpoint_dir)
+    return run_blocks(_CheckpointSource(source, gguf_file, dtype), _ShardSink(Path(out_dir), max_shard_size), options,
+                      calib_tokens, holdout_tokens, pipeline._process_block, progress=progress, **run)  # fmt: skip
 
-    resumed, state_dir = None, None
-    if checkpoint_dir is not None:
-        state_dir = Path(checkpoint_dir)
-        fingerprint = blockwise_fingerprint(
-            model, reader, dtype, options, calib_tokens, holdout_tokens, planned, max_shard_size, checkpoint_ranks,
-            batch_size=batch_size, device=device,
-        )  # fmt: skip
-        resumed = checkpoint.load(state_dir, fingerprint, checkpoint_ranks)
-    first_block = 0 if resumed is None else resumed.next_block
-    writer, error = None, None
-    if ranks.is_main:
-        # Resuming: the non-block tensors (written before block 0) and the finished blocks are in the .partial files.
-        done = None if resumed is None else outside + [name for keys in block_keys[:first_block] for name in keys]
+
+class _CheckpointSource(BlockSource):
+    """The blocks of a checkpoint, read one at a time into the model without weights
+    (:class:`~sparseswaps_prune.llm.blocks.BlockSource`)."""
+
+    def __init__(self, source: str | os.PathLike[str] | None, gguf_file: str | None, dtype: torch.dtype | None):
+        self.source, self.gguf_file, self.dtype = source, gguf_file, dtype
+
+    def open(self, options: PruneOptions, distributed: bool, checkpointed: bool) -> None:
+        self.reader = open_checkpoint(self.source, self.gguf_file)
+        config = self.reader.load_config()
+        self.dtype = resolve_dtype(config, self.dtype)
+        model = self.model = empty_model(config, self.dtype)
+        model.config.use_cache = False  # as load_model sets it (after the generation config was made)
+        self.total_parameters = model.num_parameters()  # now, while tied weights are still one parameter
+        check_layers(model, options)
+        self.blocks_name, self.blocks = find_blocks(model, options.blocks_path)
+        self.mapping = key_map(model, self.reader)
+        self.state = model.state_dict(keep_vars=True)
+        self.block_keys = [
+            [name for name in self.mapping if name.startswith(f"{self.blocks_name}.{index}.")]
+            for index in range(len(self.blocks))
+        ]
+        in_blocks = {name for keys in self.block_keys for name in keys}
+        self.outside = [name for name in self.mapping if name not in in_blocks]
+        # An untied lm_head is not needed for the capture: it is copied to the output tensor by tensor.
+        head_module, self.head = model.get_output_embeddings(), set()
+        if head_module is not None and head_module.weight is not model.get_input_embeddings().weight:
+            head_name = next(name for name, module in model.named_modules() if module is head_module)
+            self.head = {f"{head_name}.{leaf}" for leaf in head_module._parameters} & set(self.outside)
+        self.for_capture = [name for name in self.outside if name not in self.head]
+
+    def block_options(
+        self, options: PruneOptions, calib_tokens: torch.Tensor, device: torch.device, batch_size: int, progress: bool
+    ) -> list[PruneOptions]:
+        """:func:`~sparseswaps_prune.llm.pipeline.block_options` (OWL's budgets) of the model read from the
+        checkpoint: the tensors outside the blocks and block 0 are loaded as for the capture, each block is read for
+        its dense forward and dropped after, and the tensors outside the blocks are dropped at the end, so the model
+        is again the empty skeleton (this reads every block once more, before anything is written)."""
+
+        @contextlib.contextmanager
+        def loaded(index: int) -> Iterator[None]:
+            self.load(index)
+            try:
+                with on_device(self.blocks[index], device):
+                    yield
+            finally:
+                self.unload(index)
+
+        self.prepare_capture()
         try:
-            writer = ShardedWriter(out, planned, max_shard_size, written=done)
-        except (OSError, ValueError) as err:
-            if resumed is None:
-                raise
-            error = (
-                f"the checkpoint in {state_dir} records blocks 0-{first_block - 1} as written into the .partial "
-                f"files in {out}, but {err}; to start over, delete {state_dir}"
+            return pipeline.block_options(self.model, self.blocks, self.blocks_name, calib_tokens, options, device,
+                                          batch_size, progress, loader=loaded)  # fmt: skip
+        finally:
+            self.unload(0)
+            drop_tensors(self.model, self.for_capture)
+
+    def prepare_capture(self) -> None:
+        load_tensors(self.model, self.reader, self.mapping, self.for_capture + self.block_keys[0])
+
+    def load(self, index: int) -> None:
+        if index > 0:  # block 0 is loaded with the tensors the capture needs
+            load_tensors(self.model, self.reader, self.mapping, self.block_keys[index])
+        unloaded = [n for n, p in self.blocks[index].named_parameters() if p.device.type == "meta"]
+        if unloaded:
+            raise ValueError(f"block {index} has parameters the checkpoint did not provide: {unloaded[:3]}")
+
+    def unload(self, index: int) -> None:
+        self.blocks[index].to("meta")
+
+    def tensor_bytes(self, names: list[str]) -> int:
+        """The bytes of the tensors ``names`` in the model's dtypes."""
+        return sum(tensor_bytes(self.state[n].dtype, self.state[n].shape) for n in names)
+
+
+class _ShardSink(BlockSink):
+    """The output shards of :func:`prune_checkpoint` (:class:`~sparseswaps_prune.llm.blocks.BlockSink`): rank 0
+    writes each pruned block (made permanent) at its planned offsets; a checkpoint records each block's reports only
+    (:func:`~sparseswaps_prune.llm.checkpoint.commit_block`). Its result is the :class:`StreamResult`."""
+
+    def __init__(self, out: Path, max_shard_size: int | str) -> None:
+        self.start, self.probe, self.out, self.max_shard_size = time.perf_counter(), MemoryProbe(), out, max_shard_size
+        self.result, self.per_block, self.writer, self.embedding_bytes = PruneResult(), [], None, 0
+
+    def plan(self, source: _CheckpointSource, options: PruneOptions, device: torch.device, ranks: Ranks | None):
+        super().plan(source, options, device, ranks)
+        if self.out.exists() and self.out.resolve() == source.reader.directory.resolve():
+            raise ValueError(
+                f"out_dir is the source directory {source.reader.directory}; write the pruned model elsewhere"
             )
-    if resumed is not None:
-        error = ranks.broadcast(error, src=0)
-        if error is not None:
-            raise checkpoint.CheckpointMismatch(error)
-    try:
-        layers: list[LayerReport] = []
-        tunes: list[BlockTuneReport] = []
-        embedding_bytes = 0
-        if resumed is None:
-            load_tensors(model, reader, mapping, for_capture + block_keys[0])
-            inputs = pipeline.capture_shards(
-                model, blocks, calib_tokens, holdout_tokens, batch_size, shards, dense=options.block_tune_epochs > 0
-            )
-            seconds_capture = time.perf_counter() - start
-            embedding_bytes = sum(tensor_bytes(state[n].dtype, state[n].shape) for n in for_capture)
-            if writer is not None:
-                for name in for_capture:
-                    writer.write(name, model.get_parameter(name) if is_param(model, name) else model.get_buffer(name))
-                for name in head:  # never loaded into the model: copied tensor by tensor
-                    tensor = reader.read([mapping[name]])[mapping[name]]
-                    writer.write(name, tensor.to(state[name].dtype) if tensor.is_floating_point() else tensor)
-            drop_tensors(model, for_capture)
-        else:  # the block forwards need no non-block tensor: the captured inputs hold the positions and masks
-            inputs = resumed.inputs
-            seconds_capture = time.perf_counter() - start
-            for _, saved in resumed.blocks():
-                reports, block_tunes = pipeline.saved_reports(saved)
-                layers.extend(reports)
-                tunes.extend(block_tunes)
-        per_block = []
-        run = pipeline.BlockRun(
-            blocks, blocks_name, device, progress, ranks=ranks if ranks.world_size > 1 else None, shards=shards
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        # In the order save_pretrained uses for the model from_pretrained loads from this source.
+        names = source.reader.save_order(source.model, list(source.mapping))
+        self.planned = [(name, source.state[name].dtype, tuple(source.state[name].shape)) for name in names]
+
+    def fingerprint(self, calib: torch.Tensor, holdout: torch.Tensor | None, batch_size: int) -> checkpoint.Fingerprint:
+        source = self.source
+        return blockwise_fingerprint(
+            source.model, source.reader, source.dtype, self.options, calib, holdout, self.planned,
+            self.max_shard_size, self.ranks, batch_size=batch_size, device=self.device,
+        )  # fmt: skip
+
+    def open(self, record: tuple[Path, checkpoint.Fingerprint] | None, resumed: checkpoint.Resumed | None) -> None:
+        """Open the shards on rank 0; resuming, the non-block tensors (written before block 0) and the finished
+        blocks are in the ``.partial`` files, and a failure to reopen them is every rank's ``CheckpointMismatch``."""
+        super().open(record, resumed)
+        self.first_block, ranks, error = 0 if resumed is None else resumed.next_block, self.ranks, None
+        if ranks is None or ranks.is_main:
+            keys = self.source.block_keys
+            done = None if resumed is None else self.source.outside + [n for k in keys[: self.first_block] for n in k]
+            try:
+                self.writer = ShardedWriter(self.out, self.planned, self.max_shard_size, written=done)
+            except (OSError, ValueError) as err:
+                if resumed is None:
+                    raise
+                state = record[0]
+                error = (
+                    f"the checkpoint in {state} records blocks 0-{self.first_block - 1} as written into the .partial "
+                    f"files in {self.out}, but {err}; to start over, delete {state}"
+                )
+        if resumed is not None:
+            error = error if ranks is None else ranks.broadcast(error, src=0)
+            if error is not None:
+                raise checkpoint.CheckpointMismatch(error)
+
+    def begin(self, resumed: checkpoint.Resumed | None) -> None:
+        """Write the non-block tensors after the capture, then drop them; resumed, collect the finished blocks'
+        reports."""
+        self.seconds_capture = time.perf_counter() - self.start
+        for _, saved in [] if resumed is None else resumed.blocks():
+            reports, tunes = pipeline.saved_reports(saved)
+            self.result.layers.extend(reports)
+            self.result.block_tunes.extend(tunes)
+        if resumed is not None:
+            return
+        source, model = self.source, self.source.model
+        self.embedding_bytes = source.tensor_bytes(source.for_capture)
+        if self.writer is not None:
+            for name in source.for_capture:
+                self.writer.write(name, model.get_parameter(name) if is_param(model, name) else model.get_buffer(name))
+            for name in source.head:  # never loaded into the model: copied tensor by tensor
+                tensor = source.reader.read([source.mapping[name]])[source.mapping[name]]
+                dtype = source.state[name].dtype
+                self.writer.write(name, tensor.to(dtype) if tensor.is_floating_point() else tensor)
+        drop_tensors(model, source.for_capture)
+
+    def block(self, index: int) -> PruneResult:
+        self.begin_block = time.perf_counter()
+        return PruneResult()  # a fresh result per block: its masks are dropped with the block
+
+    def write(self, index: int, layers: list[PrunableLayer], reports: list[LayerReport], step: PruneResult) -> None:
+        self.result.layers.extend(reports)
+        self.result.block_tunes.extend(step.block_tunes)
+        block = self.source.blocks[index]
+        finalize(block)
+        if self.writer is not None:
+            block_state, prefix = block.state_dict(), f"{self.source.blocks_name}.{index}."
+            for name in self.source.block_keys[index]:
+                self.writer.write(name, block_state[name[len(prefix) :]])
+
+    def commit(
+        self, index: int, inputs: dict[str, BlockInputs], layers: list[PrunableLayer], reports: list[LayerReport],
+        step: PruneResult,
+    ) -> None:  # fmt: skip
+        if self.record is not None:  # the block's weights are in the shards: its block file holds its reports only
+            if self.writer is not None:
+                self.writer.sync()
+            tune, ranks = step.block_tunes[0] if step.block_tunes else None, self.ranks
+            payload = checkpoint.reports_payload(reports, tune) if ranks is None or ranks.is_main else None
+            checkpoint.commit_block(*self.record, index, inputs, payload, ranks)
+        seconds = time.perf_counter() - self.begin_block
+        self.per_block.append(
+            {"block": index, "seconds": seconds, "rss_bytes": self.probe.rss(), "peak_rss_bytes": self.probe.peak()}
         )
-        bar = tqdm(
-            range(first_block, len(blocks)), desc="blocks", disable=not progress, initial=first_block, total=len(blocks)
-        )
-        for index in bar:
-            begin = time.perf_counter()
-            if index > 0:  # block 0 was loaded with the embeddings (a resumed run starts at block 1 or later)
-                load_tensors(model, reader, mapping, block_keys[index])
-            unloaded = [n for n, p in blocks[index].named_parameters() if p.device.type == "meta"]
-            if unloaded:
-                raise ValueError(f"block {index} has parameters the checkpoint did not provide: {unloaded[:3]}")
-            step = PruneResult()  # a fresh result per block: its masks are dropped with the block
-            _, reports, inputs = pipeline._process_block(run, index, inputs, block_options[index], step)
-            layers.extend(reports)
-            tunes.extend(step.block_tunes)
-            finalize(blocks[index])
-            if writer is not None:
-                block_state = blocks[index].state_dict()
-                for name in block_keys[index]:
-                    writer.write(name, block_state[name[len(f"{blocks_name}.{index}.") :]])
-                del block_state
-            blocks[index].to("meta")
-            if state_dir is not None:  # the block's weights are in the shards: its block file holds its reports only
-                if writer is not None:
-                    writer.sync()
-                tune = step.block_tunes[0] if step.block_tunes else None
-                payload = checkpoint.reports_payload(reports, tune) if ranks.is_main else None
-                checkpoint.commit_block(state_dir, fingerprint, index, inputs, payload, checkpoint_ranks)
-            per_block.append(
-                {
-                    "block": index,
-                    "seconds": time.perf_counter() - begin,
-                    "rss_bytes": probe.rss(),
-                    "peak_rss_bytes": probe.peak(),
-                }
-            )
-            if reports:
-                bar.set_postfix(pipeline.progress_postfix(reports))
-        files = []
-        if writer is not None:
-            files = writer.close(total_parameters=total_parameters)
-            writer_bytes = writer.bytes_written
-            files += write_configs(model, reader, out, dtype)
-        ranks.barrier()
-    except BaseException:
-        if writer is not None and state_dir is not None:
-            writer.release()  # the .partial files hold the recorded blocks: the next call continues them
-        elif writer is not None:
-            writer.abort()
-        raise
-    if state_dir is not None and ranks.is_main:
-        checkpoint.remove_checkpoint(state_dir)
-    bytes_written = 0
-    if writer is not None:
-        extra = [name for name in files if not OUR_WEIGHTS.fullmatch(name)]
-        bytes_written = writer_bytes + sum((out / name).stat().st_size for name in extra)
-    seconds = time.perf_counter() - start
-    report = {
-        "peak_rss_bytes": probe.peak(),
-        "peak_rss_since": probe.since,
-        "start_rss_bytes": probe.start,
-        "peak_device_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
-        "bytes_written": bytes_written,
-        "bytes_read": reader.bytes_read,
-        "block_bytes": max(sum(tensor_bytes(state[n].dtype, state[n].shape) for n in keys) for keys in block_keys),
-        "embedding_bytes": embedding_bytes,
-        "seconds_capture": seconds_capture,
-        "seconds": seconds,
-        "rank": ranks.rank,
-        "world_size": ranks.world_size,
-        "first_block": first_block,
-        "blocks": per_block,
-    }
-    return StreamResult(layers=layers, files=files, report=report, seconds=seconds, block_tunes=tunes)
+
+    def close(self) -> None:
+        self.files = []
+        if self.writer is not None:
+            self.files = self.writer.close(total_parameters=self.source.total_parameters)
+            self.files += write_configs(self.source.model, self.source.reader, self.out, self.source.dtype)
+        if self.ranks is not None:
+            self.ranks.barrier()
+
+    def abort(self) -> None:
+        if self.writer is not None and self.record is not None:
+            self.writer.release()  # the .partial files hold the recorded blocks: the next call continues them
+        elif self.writer is not None:
+            self.writer.abort()
+
+    def finish(self) -> StreamResult:
+        ranks = self.ranks
+        if self.record is not None and (ranks is None or ranks.is_main):
+            checkpoint.remove_checkpoint(self.record[0])
+        bytes_written = 0
+        if self.writer is not None:
+            extra = [name for name in self.files if not OUR_WEIGHTS.fullmatch(name)]
+            bytes_written = self.writer.bytes_written + sum((self.out / name).stat().st_size for name in extra)
+        seconds, device, source = time.perf_counter() - self.start, self.device, self.source
+        report = {
+            "peak_rss_bytes": self.probe.peak(),
+            "peak_rss_since": self.probe.since,
+            "start_rss_bytes": self.probe.start,
+            "peak_device_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
+            "bytes_written": bytes_written,
+            "bytes_read": source.reader.bytes_read,
+            "block_bytes": max(source.tensor_bytes(keys) for keys in source.block_keys),
+            "embedding_bytes": self.embedding_bytes,
+            "seconds_capture": self.seconds_capture,
+            "seconds": seconds,
+            "rank": 0 if ranks is None else ranks.rank,
+            "world_size": 1 if ranks is None else ranks.world_size,
+            "first_block": self.first_block,
+            "blocks": self.per_block,
+        }
+        result = self.result
+        return StreamResult(result.layers, self.files, report, seconds, result.block_tunes)

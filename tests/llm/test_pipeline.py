@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM
 
 from sparseswaps_prune.core.spec import DSnoTRefine, PruneSpec, build_spec
 from sparseswaps_prune.llm import pipeline
+from sparseswaps_prune.llm.blocks import progress_postfix
 from sparseswaps_prune.llm.job import JobConfig, run_job, summary
 from sparseswaps_prune.llm.models import TINY_ARCHS, tiny_model
 from sparseswaps_prune.llm.pipeline import (
@@ -19,7 +20,6 @@ from sparseswaps_prune.llm.pipeline import (
     PruneOptions,
     finalize,
     masks_swapped,
-    progress_postfix,
     prune_model,
 )
 from sparseswaps_prune.modules import PrunableLayer
