@@ -132,13 +132,6 @@ def test_every_module_imports() -> None:
         importlib.import_module(module)
 
 
-# Cycles closed by imports inside functions that predate the check (each to be broken by its modules' owners, then
-# removed here): the test fails on any other cycle, and on an entry here that no longer closes.
-KNOWN_IN_FUNCTION_CYCLES = [
-    {f"{PACKAGE}.llm.io.readers", f"{PACKAGE}.llm.models"},
-]
-
-
 def _cycles(graph: dict[str, set[str]]) -> list[set[str]]:
     """The import cycles of ``graph`` (module -> modules it imports): its strongly connected components of more than
     one module (or a module importing itself), sorted by their smallest module."""
@@ -189,14 +182,10 @@ def test_no_import_cycle() -> None:
 
 
 def test_no_import_cycle_through_imports_inside_functions() -> None:
-    """Imports inside functions are for optional packages; none may close a new cycle among the package's modules
-    (the backends' re-fit engines among them: refit_lazy -> refit_lazy_triton -> refit_triton -> refit_lazy was one)."""
+    """Imports inside functions are for optional packages; none may close a cycle among the package's modules (as
+    refit_lazy -> refit_lazy_triton -> refit_triton -> refit_lazy and llm.io.readers <-> llm.models once did)."""
     cycles = _cycles(ALL_GRAPH)
-    new = [cycle for cycle in cycles if cycle not in KNOWN_IN_FUNCTION_CYCLES]
-    assert new == [], f"import cycles (imports inside functions included): {new}"
-    gone = [cycle for cycle in KNOWN_IN_FUNCTION_CYCLES if cycle not in cycles]
-    assert gone == [], f"no longer cycles: remove them from KNOWN_IN_FUNCTION_CYCLES: {gone}"
-    assert not [cycle for cycle in cycles if any(m.startswith(f"{PACKAGE}.core.backends") for m in cycle)]
+    assert cycles == [], f"import cycles (imports inside functions included): {cycles}"
 
 
 def test_layering() -> None:

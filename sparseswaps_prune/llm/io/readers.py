@@ -43,6 +43,7 @@ from sparseswaps_prune.llm.io.formats import (
     read_safetensors_header,
 )
 from sparseswaps_prune.llm.io.skeleton import empty_model, set_tensor
+from sparseswaps_prune.llm.io.sources import DEFAULT_MODEL, load_tokenizer, resolve_source
 
 logger = logging.getLogger(__name__)
 
@@ -410,8 +411,6 @@ class GGUFCheckpoint(CheckpointReader):
 
     def write_other_files(self, out_dir: Path) -> list[str]:
         """The GGUF's tokenizer as ``load_model`` makes it, saved with ``save_pretrained``."""
-        from sparseswaps_prune.llm.models import load_tokenizer
-
         saved = load_tokenizer(str(self.directory), self.path.name).save_pretrained(out_dir)
         return sorted({Path(name).name for name in saved if Path(name).is_file()})
 
@@ -446,8 +445,6 @@ def open_checkpoint(
         FileNotFoundError: a missing file or directory, or a hub name (not read block by block).
         ValueError: contradictory arguments (e.g. ``gguf_file`` with a ``.gguf`` path or the default model).
     """
-    from sparseswaps_prune.llm.models import DEFAULT_MODEL, resolve_source
-
     name = None if source is None else os.fspath(source)
     if name is not None and gguf_file is None and name != DEFAULT_MODEL and not name.endswith(".gguf"):
         return SafetensorsCheckpoint(name)
