@@ -74,17 +74,25 @@ def study_layer(
     keep = warmstart_mask(sub, "wanda", gram=gram, **pattern)
     score("wanda", lambda: torch.where(keep, sub, 0.0))
     for damp in damps:
-        score(f"wanda + refit (damp {damp:g})", lambda damp=damp: refit_weights(sub, gram, keep, damp=damp))
+        score(
+            f"wanda + refit (damp {damp:g})", lambda damp=damp: refit_weights(sub, gram, keep, damp=damp, ridge="mean")
+        )
     for t in iters:
         start = time.perf_counter()
         mask = refine_mask(sub, gram, keep, max_iters=t, nm=pattern["nm"]).mask
         seconds = time.perf_counter() - start
         score(f"swaps T={t}", lambda mask=mask: torch.where(mask, sub, 0.0), seconds)
-        score(f"swaps T={t} + refit", lambda mask=mask: refit_weights(sub, gram, mask, damp=refit_damp), seconds)
+        score(
+            f"swaps T={t} + refit",
+            lambda mask=mask: refit_weights(sub, gram, mask, damp=refit_damp, ridge="mean"),
+            seconds,
+        )
         score(
             f"refit-objective T={t}",
             lambda t=t: (
-                refine_mask(sub, gram, keep, max_iters=t, nm=pattern["nm"], objective="refit", damp=refit_damp).weight
+                refine_mask(
+                    sub, gram, keep, max_iters=t, nm=pattern["nm"], objective="refit", damp=refit_damp, ridge="mean"
+                ).weight
             ),
         )
     score(

@@ -61,7 +61,7 @@ def measure(weight: torch.Tensor, gram: torch.Tensor, pattern: str, iters: int, 
     nm = options["nm"]
     w64, gram64 = weight.double(), gram.double()
     keep = warmstart_mask(weight, "wanda", sparsity=options["sparsity"], nm=nm, gram=gram64)
-    lam = damping(gram64, damp)
+    lam = damping(gram64, damp, "mean")
     out = defaultdict(float)
     started = time.perf_counter()
     shared = shared_schur_bound(gram64, lam)
@@ -87,7 +87,7 @@ def measure(weight: torch.Tensor, gram: torch.Tensor, pattern: str, iters: int, 
                     row_batch=_default_row_batch(keep, False, spare=0, device=CPU))  # fmt: skip
     out["mask"] = iterate(mask, iters)
     started = time.perf_counter()
-    refit_weights(weight, gram64, keep, damp=damp)
+    refit_weights(weight, gram64, keep, damp=damp, ridge="mean")
     out["ls"] = time.perf_counter() - started
     return dict(out)
 

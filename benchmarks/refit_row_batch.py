@@ -30,7 +30,9 @@ def run(weight: torch.Tensor, gram: torch.Tensor, keep: torch.Tensor, row_batch:
         torch.cuda.reset_peak_memory_stats()
     cuda_sync()
     start = time.perf_counter()
-    result = refine.refine_mask(weight, gram, keep, objective="refit", max_iters=iters, row_batch=row_batch)
+    result = refine.refine_mask(
+        weight, gram, keep, objective="refit", max_iters=iters, row_batch=row_batch, ridge="mean"
+    )
     cuda_sync()
     seconds = time.perf_counter() - start
     peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None

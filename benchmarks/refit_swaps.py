@@ -88,7 +88,7 @@ def measure(
     weight, gram, keep = (t.to(device) for t in random_layer(d_in, n_rows, pattern, dtype=torch.float64))
     k = int(keep.sum(1).max())
     q = d_in - k
-    lam = damping(gram, damp)
+    lam = damping(gram, damp, "mean")
     rows = torch.arange(n_rows, device=weight.device)
     # before the engines' states exist (memory: at 14336 inputs a state is 627 MiB per row)
     builds = tuple(
@@ -113,7 +113,7 @@ def measure(
         figures[engine] = (build_s / n_rows, iteration_s / n_rows, same)
     mask_rows = MaskRows(weight, keep.clone(), gram, gram.float(), search=search, nm=nm, row_batch=n_rows)
     mask_rows_it = row_model_iterations(mask_rows, rows, iters) / n_rows
-    ls = timed(lambda: refit_weights(weight, gram, keep, damp=damp), repeat=BUILD_REPEAT)
+    ls = timed(lambda: refit_weights(weight, gram, keep, damp=damp, ridge="mean"), repeat=BUILD_REPEAT)
     w32, g32 = weight.float(), gram.float()
     corr = correlation(weight, gram, keep)
 

@@ -29,6 +29,9 @@ REFIT_DAMP = 1e-3
 RIDGES = ("mean", "diag")
 # Default relative ridge per kind: "diag" takes ADMM's percdamp (Boza 2024), the stronger of the two originals'.
 RIDGE_DAMPS = {"mean": REFIT_DAMP, "diag": 0.1}
+REFIT_RIDGE = "diag"
+"""The re-fit's default ridge (of :func:`refit_weights`, ``refine_mask(objective="refit")`` and the least-squares
+stage): least squares on ``G + 0.1 diag(G)``, the problem ADMM's and ALPS's weight updates solve."""
 
 
 def damping(gram64: torch.Tensor, damp: float, ridge: str = "mean") -> float | torch.Tensor:
@@ -45,7 +48,7 @@ def refit_weights(
     keep_mask: torch.Tensor,
     *,
     damp: float | None = None,
-    ridge: str = "mean",
+    ridge: str = REFIT_RIDGE,
     row_batch: int | None = None,
     solver: str = "direct",
     max_steps: int = 200,
@@ -73,7 +76,7 @@ def refit_weights(
         keep_mask: ``[d_out, d_in]`` bool, True = kept (not modified).
         damp: relative dampening (0 allowed when every ``G_SS`` is positive definite); default
             ``RIDGE_DAMPS[ridge]`` (1e-3 for ``"mean"``, ADMM's 0.1 for ``"diag"``).
-        ridge: ``"mean"`` or ``"diag"`` (above; the pipeline's default spec uses ``"diag"``).
+        ridge: ``"mean"`` or ``"diag"`` (above; default :data:`REFIT_RIDGE`, ``"diag"``).
         row_batch: rows solved together (default bounds the ``[rows, k, k]`` systems to ~16 MiB for
             ``"direct"``; all rows at once for ``"cg"``).
         solver: ``"direct"`` or ``"cg"``.

@@ -40,8 +40,8 @@ from sparseswaps_prune.core.alps import alps_prune, alps_update
 from sparseswaps_prune.core.checks import check_bool, check_budget, check_choice, check_int, check_number
 from sparseswaps_prune.core.dsnot import dsnot_refine
 from sparseswaps_prune.core.losses import weight_losses_unchecked
-from sparseswaps_prune.core.refine import refine_mask
-from sparseswaps_prune.core.refit import RIDGE_DAMPS, RIDGES, refit_weights
+from sparseswaps_prune.core.refine import RESYNC_EVERY, SWAP_ITERS, refine_mask
+from sparseswaps_prune.core.refit import REFIT_RIDGE, RIDGE_DAMPS, RIDGES, refit_weights
 from sparseswaps_prune.core.select import keep_top, select_mask_unchecked
 from sparseswaps_prune.core.sparsegpt import SPARSEGPT_DAMP, sparsegpt_prune
 from sparseswaps_prune.core.warmstart import SCORES, importance_scores_unchecked
@@ -411,12 +411,12 @@ class SwapRefine(RefineStage):
 
     kind: ClassVar[str] = "sparseswaps"
     names: ClassVar[tuple[str, ...]] = ("sparseswaps",)
-    max_iters: int = 25
+    max_iters: int = SWAP_ITERS
     eps: float = 0.0
     objective: str = "mask"
     search_dtype: str = "float32"
     backend: str = "auto"
-    resync_every: int = 32
+    resync_every: int = RESYNC_EVERY
     scope: str | None = None
 
     def __post_init__(self) -> None:
@@ -603,7 +603,7 @@ class LeastSquares(WeightStage):
     solver: str = "direct"
     damp: float | None = None
     guard: bool = False
-    ridge: str = "diag"
+    ridge: str = REFIT_RIDGE
 
     def __post_init__(self) -> None:
         check_choice(self.solver, "least-squares solver", ("direct", "cg"))

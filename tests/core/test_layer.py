@@ -98,7 +98,7 @@ def test_guard_keeps_an_update_only_where_it_lowers_the_held_out_loss():
 def test_refit_objective_yields_its_own_weights():
     weight, acc, _ = problem(seed=3)
     out = prune_layer(weight, acc.gram, build_spec(REFIT, objective="refit", max_iters=5, ridge="mean"))
-    searched = refine_mask(weight, acc.gram, out.start_mask, max_iters=5, objective="refit", damp=1e-3)
+    searched = refine_mask(weight, acc.gram, out.start_mask, max_iters=5, objective="refit", damp=1e-3, ridge="mean")
     assert torch.equal(out.keep_mask, searched.mask) and torch.equal(out.weight, searched.weight)
 
 

@@ -51,7 +51,9 @@ def test_layer_moves_equal_brute_force_step_by_step(objective, d_out, d_in, seed
     current = keep
     for _ in range(12):
         expected, plan = brute_layer_step(objective, weight, gram, current)
-        res = refine_mask(weight, gram, current, max_iters=1, scope="layer", objective=objective, dtype=torch.float64)
+        res = refine_mask(
+            weight, gram, current, max_iters=1, scope="layer", objective=objective, dtype=torch.float64, ridge="mean"
+        )
         assert torch.equal(res.mask, expected), plan
         assert int(res.mask.sum()) == int(keep.sum())
         moved = sorted(plan[0] + plan[1] + plan[2])
@@ -62,7 +64,9 @@ def test_layer_moves_equal_brute_force_step_by_step(objective, d_out, d_in, seed
         current = res.mask
     else:
         pytest.fail("did not converge in 12 iterations")
-    full = refine_mask(weight, gram, keep, max_iters=50, scope="layer", objective=objective, dtype=torch.float64)
+    full = refine_mask(
+        weight, gram, keep, max_iters=50, scope="layer", objective=objective, dtype=torch.float64, ridge="mean"
+    )
     assert torch.equal(full.mask, current)
 
 
@@ -81,7 +85,9 @@ def test_layer_budget_kept_and_loss_never_rises(objective, warmstart):
     losses = [layer_loss(objective, weight, gram, keep)]
     current = keep
     for _ in range(4):
-        res = refine_mask(weight, gram, current, max_iters=3, scope="layer", objective=objective, resync_every=2)
+        res = refine_mask(
+            weight, gram, current, max_iters=3, scope="layer", objective=objective, resync_every=2, ridge="mean"
+        )
         current = res.mask
         losses.append(layer_loss(objective, weight, gram, current))
         assert int(current.sum()) == total
@@ -93,7 +99,7 @@ def test_layer_budget_kept_and_loss_never_rises(objective, warmstart):
     assert losses[-1] < 0.9 * losses[0]
     assert not torch.equal(current.sum(1), keep.sum(1))  # the budget moved between rows
     if objective == "refit":
-        assert torch.allclose(res.weight, refit_weights(weight, gram, current), rtol=1e-4, atol=1e-5)
+        assert torch.allclose(res.weight, refit_weights(weight, gram, current, ridge="mean"), rtol=1e-4, atol=1e-5)
         assert torch.equal(res.weight != 0, current)
 
 
@@ -110,10 +116,10 @@ def test_refit_rows_gain_slots_beyond_the_initial_ones():
     weight, gram = layer_problem(4, 16, seed=6)
     weight[0] *= 30  # row 0 takes most of the budget, one weight per iteration
     keep = warmstart_mask(weight, "magnitude", sparsity=0.75)  # 4 kept per row
-    res = refine_mask(weight, gram, keep, max_iters=40, scope="layer", objective="refit", resync_every=5)
+    res = refine_mask(weight, gram, keep, max_iters=40, scope="layer", objective="refit", resync_every=5, ridge="mean")
     assert int(res.mask[0].sum()) >= 8
     assert int(res.mask.sum()) == 16
-    assert torch.allclose(res.weight, refit_weights(weight, gram, res.mask), rtol=1e-8, atol=1e-10)
+    assert torch.allclose(res.weight, refit_weights(weight, gram, res.mask, ridge="mean"), rtol=1e-8, atol=1e-10)
     assert layer_loss("refit", weight, gram, res.mask) < layer_loss("refit", weight, gram, keep)
 
 
@@ -129,7 +135,7 @@ def test_layer_scope_errors():
     keep = torch.zeros(4, 8, dtype=torch.bool)
     keep[1, :3] = True
     with pytest.raises(ValueError, match=r"singular for rows \[1\].*damp > 0"):
-        refine_mask(weight, singular, keep, scope="layer", objective="refit", damp=0.0)
+        refine_mask(weight, singular, keep, scope="layer", objective="refit", damp=0.0, ridge="mean")
     bad = weight.clone()
     bad[0, 0] = float("nan")
     with pytest.raises(ValueError, match="NaN"):
@@ -141,5 +147,5 @@ def test_refit_layer_state_limit(monkeypatch):
     keep = warmstart_mask(weight, "magnitude", sparsity=0.5)
     monkeypatch.setattr(refine, "LAYER_STATE_BYTES", 1024)
     with pytest.raises(ValueError, match="scope='row'"):
-        refine_mask(weight, gram, keep, scope="layer", objective="refit")
+        refine_mask(weight, gram, keep, scope="layer", objective="refit", ridge="mean")
     assert refine_mask(weight, gram, keep, scope="layer").mask.sum() == keep.sum()  # the mask objective is fine

@@ -20,7 +20,7 @@ def fit_loss(weight, gram, fitted):
 def test_result_losses_mean_the_same_for_every_objective(objective, scope):
     weight, gram = layer_problem(10, 24, seed=8, dtype=torch.float32)
     keep = warmstart_mask(weight, "wanda", sparsity=0.5, gram=gram, scope="layer")  # unequal row counts
-    res = refine_mask(weight, gram, keep, max_iters=20, objective=objective, scope=scope)
+    res = refine_mask(weight, gram, keep, max_iters=20, objective=objective, scope=scope, ridge="mean")
     assert res.loss_before.dtype == res.loss_after.dtype == torch.float64
     assert torch.allclose(res.loss_before, row_losses(weight, gram, keep), rtol=1e-12)
     assert torch.allclose(res.loss_after, row_losses(weight, gram, res.mask), rtol=1e-12)
@@ -31,7 +31,9 @@ def test_result_losses_mean_the_same_for_every_objective(objective, scope):
         return
     assert res.refit_loss_before.dtype == res.refit_loss_after.dtype == torch.float64
     assert res.refit_loss_before.shape == res.refit_loss_after.shape == (10,)
-    assert torch.allclose(res.refit_loss_before, fit_loss(weight, gram, refit_weights(weight, gram, keep)), rtol=1e-5)
+    assert torch.allclose(
+        res.refit_loss_before, fit_loss(weight, gram, refit_weights(weight, gram, keep, ridge="mean")), rtol=1e-5
+    )
     assert torch.allclose(res.refit_loss_after, fit_loss(weight, gram, res.weight), rtol=1e-5)
     assert res.refit_loss_after.sum() < res.refit_loss_before.sum()
 
@@ -50,7 +52,7 @@ def test_row_scope_with_eps_and_resync_equals_brute_force(objective):
     for resync_every in (1, 2, 32):
         res = refine_mask(
             weight, gram, keep, max_iters=40, eps=eps, objective=objective, damp=0.01, dtype=torch.float64,
-            resync_every=resync_every, row_batch=3,
+            resync_every=resync_every, row_batch=3, ridge="mean",
         )  # fmt: skip
         assert torch.equal(res.mask, ref_mask)
         assert res.n_swaps.tolist() == [len(h) for h in history]
@@ -73,7 +75,7 @@ def test_layer_scope_with_eps_and_resync_equals_brute_force(objective):
     for resync_every in (1, 2, 32):
         res = refine_mask(
             weight, gram, keep, max_iters=50, eps=eps, objective=objective, scope="layer", dtype=torch.float64,
-            resync_every=resync_every, row_batch=3,
+            resync_every=resync_every, row_batch=3, ridge="mean",
         )  # fmt: skip
         assert torch.equal(res.mask, current)
         assert res.iters == steps
@@ -95,7 +97,7 @@ def test_iterate_runs_any_model_with_any_planner():
             n_moves, iters = iterate(model, planner, max_iters=30, resync_every=4)
             want = refine_mask(
                 weight, gram, keep, max_iters=30, objective=objective, damp=0.01, scope=scope, dtype=torch.float64,
-                resync_every=4, row_batch=4 if scope == "layer" else None,
+                resync_every=4, row_batch=4 if scope == "layer" else None, ridge="mean",
             )  # fmt: skip
             assert torch.equal(current, want.mask)  # the model's mask is updated in place
             assert torch.equal(n_moves, want.n_swaps) and iters == want.iters > 0

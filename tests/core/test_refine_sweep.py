@@ -83,7 +83,7 @@ def test_refine_refit_objective_matches_brute_force_on_random_problems(seed):
     keep = start_mask(weight, gram, rng)
     damp = rng.choice([0.01, 0.1])  # rank-deficient Grams need a ridge
     want, history = brute_refine_refit(weight, gram, keep, damp, max_iters=30)
-    res = refine_mask(weight, gram, keep, max_iters=30, objective="refit", damp=damp)
+    res = refine_mask(weight, gram, keep, max_iters=30, objective="refit", damp=damp, ridge="mean")
     assert torch.equal(res.mask, want)
     assert res.n_swaps.tolist() == [len(h) for h in history]
 
@@ -95,7 +95,7 @@ def test_refit_weights_match_least_squares_on_the_data(seed):
     weight, x, gram, rng = random_problem(seed)
     keep = start_mask(weight, gram, rng)
     damp = rng.choice([1e-3, 0.05])
-    got = refit_weights(weight, gram, keep, damp=damp, row_batch=rng.randint(1, 3))
+    got = refit_weights(weight, gram, keep, damp=damp, row_batch=rng.randint(1, 3), ridge="mean")
     lam = damp * float(torch.diagonal(gram).mean())
     for r in range(weight.shape[0]):
         s = torch.nonzero(keep[r]).flatten()

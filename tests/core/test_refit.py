@@ -18,7 +18,7 @@ def refit_loss(weight, gram, refitted):
 def test_refit_matches_direct_solve(scope):
     weight, gram = layer_problem(12, 24, seed=3)
     keep = warmstart_mask(weight, "wanda", sparsity=0.5, gram=gram, scope=scope)
-    out = refit_weights(weight, gram, keep, damp=0.0, row_batch=5)
+    out = refit_weights(weight, gram, keep, damp=0.0, row_batch=5, ridge="mean")
     g, w = gram.numpy(), weight.numpy()
     for r in range(12):
         s = keep[r].numpy()
@@ -53,7 +53,7 @@ def test_diag_ridge_is_least_squares_on_the_damped_gram(scope):
 def test_refit_never_worse_than_mask_only_and_nm_zeros():
     weight, gram = layer_problem(16, 32, seed=5, dtype=torch.float32)
     keep = warmstart_mask(weight, "wanda", nm=(2, 4), gram=gram)
-    out = refit_weights(weight, gram, keep, damp=1e-4)
+    out = refit_weights(weight, gram, keep, damp=1e-4, ridge="mean")
     assert out.dtype == torch.float32
     assert torch.equal(out != 0, keep)
     assert (refit_loss(weight, gram, out) <= row_losses(weight, gram, keep) * (1 + 1e-5)).all()
@@ -65,24 +65,24 @@ def test_refit_singular_needs_damping():
     gram[0, 0] = 0.0
     keep = torch.ones(4, 8, dtype=torch.bool)
     with pytest.raises(ValueError, match="damp > 0"):
-        refit_weights(weight, gram, keep, damp=0.0)
-    assert torch.isfinite(refit_weights(weight, gram, keep, damp=0.01)).all()
+        refit_weights(weight, gram, keep, damp=0.0, ridge="mean")
+    assert torch.isfinite(refit_weights(weight, gram, keep, damp=0.01, ridge="mean")).all()
     with pytest.raises(ValueError, match="damp"):
-        refit_weights(weight, gram, keep, damp=-1.0)
+        refit_weights(weight, gram, keep, damp=-1.0, ridge="mean")
 
 
 @pytest.mark.parametrize("scope", ["row", "layer"])
 def test_cg_solver_matches_direct(scope):
     weight, gram = layer_problem(10, 48, seed=7, dtype=torch.float32)
     keep = warmstart_mask(weight, "wanda", sparsity=0.6, gram=gram, scope=scope)
-    direct = refit_weights(weight, gram, keep, damp=0.01)
-    cg = refit_weights(weight, gram, keep, damp=0.01, solver="cg", tol=1e-10, max_steps=500)
+    direct = refit_weights(weight, gram, keep, damp=0.01, ridge="mean")
+    cg = refit_weights(weight, gram, keep, damp=0.01, solver="cg", tol=1e-10, max_steps=500, ridge="mean")
     assert cg.dtype == weight.dtype and not cg[~keep].any()
     assert torch.allclose(cg, direct, rtol=1e-4, atol=1e-5)
-    rough = refit_weights(weight, gram, keep, damp=0.01, solver="cg", max_steps=3)
+    rough = refit_weights(weight, gram, keep, damp=0.01, solver="cg", max_steps=3, ridge="mean")
     assert (refit_loss(weight, gram, rough) <= row_losses(weight, gram, keep) * (1 + 1e-5)).all()
     with pytest.raises(ValueError, match="solver"):
-        refit_weights(weight, gram, keep, solver="admm")
+        refit_weights(weight, gram, keep, solver="admm", ridge="mean")
 
 
 def test_factor_kept_pads_rows_and_is_shared_with_the_swap_state():
@@ -102,7 +102,9 @@ def test_factor_kept_pads_rows_and_is_shared_with_the_swap_state():
         assert torch.allclose(factor[r] @ factor[r].T, system, rtol=1e-12, atol=1e-10)
     # both users of the factor agree: the direct re-fit and the re-fit objective's swap state
     state = rs.build_state(weight, keep, gram, lam, int(keep.sum(1).max()), 10)
-    assert torch.allclose(rs.fitted_weights(state, 10), refit_weights(weight, gram, keep, damp=0.01), rtol=1e-10)
+    assert torch.allclose(
+        rs.fitted_weights(state, 10), refit_weights(weight, gram, keep, damp=0.01, ridge="mean"), rtol=1e-10
+    )
 
 
 def test_factor_kept_names_singular_rows_by_layer_index():
@@ -116,7 +118,7 @@ def test_factor_kept_names_singular_rows_by_layer_index():
     with pytest.raises(ValueError, match=r"singular for rows \[7\]"):
         factor_kept(gram, keep[1:2], 0.0, 2, row_offset=torch.tensor([7]))
     with pytest.raises(ValueError, match=r"singular for rows \[1, 3\].*damp > 0"):
-        refit_weights(weight, gram, keep, damp=0.0)
+        refit_weights(weight, gram, keep, damp=0.0, ridge="mean")
 
 
 def test_unequal_counts_are_batched_by_count():
@@ -130,9 +132,9 @@ def test_unequal_counts_are_batched_by_count():
     keep = torch.zeros(7, d_in, dtype=torch.bool)
     for row, count in enumerate([1, 23, 5, 0, 12, 23, 2]):
         keep[row, torch.randperm(d_in, generator=gen)[:count]] = True
-    batched = refit_weights(weight, gram, keep, damp=1e-3, row_batch=3)
+    batched = refit_weights(weight, gram, keep, damp=1e-3, row_batch=3, ridge="mean")
     for row in range(7):
-        alone = refit_weights(weight[row : row + 1], gram, keep[row : row + 1], damp=1e-3)
+        alone = refit_weights(weight[row : row + 1], gram, keep[row : row + 1], damp=1e-3, ridge="mean")
         assert torch.allclose(batched[row], alone[0], rtol=1e-10, atol=1e-12), row
-    assert torch.allclose(refit_weights(weight, gram, keep, damp=1e-3), batched, rtol=1e-10, atol=1e-12)
+    assert torch.allclose(refit_weights(weight, gram, keep, damp=1e-3, ridge="mean"), batched, rtol=1e-10, atol=1e-12)
     assert not bool(batched[3].any()) and not bool(batched[~keep].any())

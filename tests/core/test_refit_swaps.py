@@ -83,13 +83,13 @@ def test_refine_refit_equals_brute_force_swap_for_swap(d_out, d_in, sparsity, da
     weight, gram = layer_problem(d_out, d_in, seed=d_in)
     keep = warmstart_mask(weight, "magnitude", sparsity=sparsity)
     ref_mask, history = brute_refine_refit(weight, gram, keep, damp, max_iters=40)
-    res = refine_mask(weight, gram, keep, max_iters=40, objective="refit", damp=damp)
+    res = refine_mask(weight, gram, keep, max_iters=40, objective="refit", damp=damp, ridge="mean")
     assert torch.equal(res.mask, ref_mask)
     assert res.n_swaps.tolist() == [len(h) for h in history]
     assert res.iters == max(len(h) for h in history)
     current = keep
     for step in range(res.iters):
-        current = refine_mask(weight, gram, current, max_iters=1, objective="refit", damp=damp).mask
+        current = refine_mask(weight, gram, current, max_iters=1, objective="refit", damp=damp, ridge="mean").mask
         for r, h in enumerate(history):
             if step < len(h):
                 u, p = h[step]
@@ -100,7 +100,7 @@ def test_refine_refit_nm_equals_brute_force():
     weight, gram = layer_problem(4, 16, seed=7)
     keep = warmstart_mask(weight, "magnitude", nm=(2, 4))
     ref_mask, history = brute_refine_refit(weight, gram, keep, 0.01, max_iters=20, m=4)
-    res = refine_mask(weight, gram, keep, max_iters=20, nm=(2, 4), objective="refit", damp=0.01)
+    res = refine_mask(weight, gram, keep, max_iters=20, nm=(2, 4), objective="refit", damp=0.01, ridge="mean")
     assert torch.equal(res.mask, ref_mask)
     assert res.n_swaps.tolist() == [len(h) for h in history]
     assert (res.mask.reshape(4, -1, 4).sum(-1) == 2).all()
@@ -111,17 +111,19 @@ def test_objective_never_rises_and_weights_are_the_refit():
     keep = warmstart_mask(weight, "wanda", sparsity=0.6, gram=gram)
     objective = [rs.refit_objective(weight, gram, keep)]
     for _ in range(5):
-        res = refine_mask(weight, gram, keep, max_iters=1, objective="refit")
+        res = refine_mask(weight, gram, keep, max_iters=1, objective="refit", ridge="mean")
         keep = res.mask
         objective.append(rs.refit_objective(weight, gram, keep))
         assert (objective[-1] <= objective[-2]).all()
         assert (keep.sum(1) == 16).all()
         assert res.weight.dtype == torch.float32
         assert torch.equal(res.weight != 0, keep)
-        assert torch.allclose(res.weight, refit_weights(weight, gram, keep), rtol=1e-5, atol=1e-6)
+        assert torch.allclose(res.weight, refit_weights(weight, gram, keep, ridge="mean"), rtol=1e-5, atol=1e-6)
     assert objective[-1].sum() < 0.8 * objective[0].sum()
-    full = refine_mask(weight, gram, warmstart_mask(weight, "wanda", sparsity=0.6, gram=gram), objective="refit")
-    refit_loss = fit_loss(weight, gram, refit_weights(weight, gram, full.mask))
+    full = refine_mask(
+        weight, gram, warmstart_mask(weight, "wanda", sparsity=0.6, gram=gram), objective="refit", ridge="mean"
+    )
+    refit_loss = fit_loss(weight, gram, refit_weights(weight, gram, full.mask, ridge="mean"))
     assert torch.allclose(full.refit_loss_after, refit_loss, rtol=1e-4)
     assert 1 - float(full.refit_loss_after.sum()) / float(full.refit_loss_before.sum()) > 0.2
     assert torch.allclose(full.loss_after, row_losses(weight, gram, full.mask), rtol=1e-12)  # the mask loss
@@ -136,7 +138,7 @@ def test_diag_ridge_searches_the_damped_gram_and_reports_losses_on_g():
     res = refine_mask(weight, gram, keep, max_iters=8, objective="refit", damp=0.1, ridge="diag")
     gram64 = gram.double()
     damped = gram64 + torch.diag(0.1 * torch.diagonal(gram64))  # least squares on G + 0.1 diag(G), no ridge
-    plain = refine_mask(weight, damped, keep, max_iters=8, objective="refit", damp=0.0)
+    plain = refine_mask(weight, damped, keep, max_iters=8, objective="refit", damp=0.0, ridge="mean")
     assert torch.equal(res.mask, plain.mask) and torch.equal(res.weight, plain.weight)
     assert res.n_swaps.sum() > 0 and not torch.equal(res.mask, keep)
     assert torch.allclose(
@@ -244,17 +246,21 @@ def test_row_batches_resync_and_unequal_counts():
     keep = warmstart_mask(weight, "wanda", sparsity=0.5, gram=gram, scope="layer")  # unequal row counts
     keep[0] = False  # a fully pruned row and a dense one
     keep[1] = True
-    whole = refine_mask(weight, gram, keep, max_iters=30, objective="refit")
-    batched = refine_mask(weight, gram, keep, max_iters=30, objective="refit", row_batch=2, resync_every=2)
+    whole = refine_mask(weight, gram, keep, max_iters=30, objective="refit", ridge="mean")
+    batched = refine_mask(
+        weight, gram, keep, max_iters=30, objective="refit", row_batch=2, resync_every=2, ridge="mean"
+    )
     assert torch.equal(whole.mask, batched.mask)
     assert torch.equal(whole.n_swaps, batched.n_swaps)
     assert torch.allclose(whole.weight, batched.weight, rtol=1e-9, atol=1e-12)
     assert torch.equal(whole.mask.sum(1), keep.sum(1))
     assert whole.n_swaps[:2].tolist() == [0, 0]
     assert not whole.weight[0].any()
-    assert torch.allclose(whole.refit_loss_before, fit_loss(weight, gram, refit_weights(weight, gram, keep)))
+    assert torch.allclose(
+        whole.refit_loss_before, fit_loss(weight, gram, refit_weights(weight, gram, keep, ridge="mean"))
+    )
     assert torch.allclose(whole.loss_before, row_losses(weight, gram, keep), rtol=1e-12)
-    zero = refine_mask(weight, gram, keep, max_iters=0, objective="refit")
+    zero = refine_mask(weight, gram, keep, max_iters=0, objective="refit", ridge="mean")
     assert torch.equal(zero.mask, keep) and torch.equal(zero.loss_before, zero.loss_after)
     assert torch.equal(zero.refit_loss_before, zero.refit_loss_after)
 
@@ -269,7 +275,7 @@ def test_refit_row_batches_are_padded_to_their_own_counts(monkeypatch):
         seen.append((row_index.tolist(), self.k_slots, self.q_slots))
 
     monkeypatch.setattr(RefitRows, "__init__", spy)
-    batched = refine_mask(weight, gram, keep, max_iters=5, objective="refit", row_batch=2)
+    batched = refine_mask(weight, gram, keep, max_iters=5, objective="refit", row_batch=2, ridge="mean")
     counts = keep.sum(1)
     order = [r for rows, _, _ in seen for r in rows]
     assert sorted(order) == list(range(9)) and counts[order].tolist() == sorted(counts.tolist(), reverse=True)
@@ -277,7 +283,7 @@ def test_refit_row_batches_are_padded_to_their_own_counts(monkeypatch):
     for rows, k_slots, q_slots in seen:  # each batch padded to its own largest kept and pruned counts
         assert k_slots == int(counts[rows].max()) and q_slots == 24 - int(counts[rows].min())
     monkeypatch.undo()
-    whole = refine_mask(weight, gram, keep, max_iters=5, objective="refit")
+    whole = refine_mask(weight, gram, keep, max_iters=5, objective="refit", ridge="mean")
     assert torch.equal(whole.mask, batched.mask) and torch.equal(whole.n_swaps, batched.n_swaps)
 
 
@@ -285,7 +291,7 @@ def test_zero_weights_are_never_restored():
     weight, gram = layer_problem(4, 16, seed=2)
     weight[:, :4] = 0.0
     keep = warmstart_mask(weight, "magnitude", sparsity=0.5)
-    res = refine_mask(weight, gram, keep, max_iters=50, objective="refit")
+    res = refine_mask(weight, gram, keep, max_iters=50, objective="refit", ridge="mean")
     assert not res.mask[:, :4].any()
 
 
@@ -297,24 +303,24 @@ def test_errors_name_the_rows_and_the_fix():
     keep[3, 0], keep[3, 2] = True, False
     keep[0:2, 0] = False
     with pytest.raises(ValueError, match=r"singular for rows \[2, 3\].*damp > 0"):
-        refine_mask(weight, gram, keep, objective="refit", damp=0.0)
+        refine_mask(weight, gram, keep, objective="refit", damp=0.0, ridge="mean")
     with pytest.raises(ValueError, match=r"singular for rows \[2\]"):  # layer row indices, batch by batch
-        refine_mask(weight, gram, keep, objective="refit", damp=0.0, row_batch=1)
+        refine_mask(weight, gram, keep, objective="refit", damp=0.0, row_batch=1, ridge="mean")
     more = keep.clone()
     more[3, 1] = True  # row 3 keeps the most inputs: its batch comes first
     with pytest.raises(ValueError, match=r"singular for rows \[3\]"):
-        refine_mask(weight, gram, more, objective="refit", damp=0.0, row_batch=1)
-    assert refine_mask(weight, gram, keep, objective="refit", damp=0.01).weight.isfinite().all()
+        refine_mask(weight, gram, more, objective="refit", damp=0.0, row_batch=1, ridge="mean")
+    assert refine_mask(weight, gram, keep, objective="refit", damp=0.01, ridge="mean").weight.isfinite().all()
     bad = weight.clone()
     bad[1, 3] = float("nan")
     with pytest.raises(ValueError, match="NaN"):
-        refine_mask(bad, gram, keep, objective="refit")
+        refine_mask(bad, gram, keep, objective="refit", ridge="mean")
     with pytest.raises(ValueError, match="objective"):
-        refine_mask(weight, gram, keep, objective="refitted")
+        refine_mask(weight, gram, keep, objective="refitted", ridge="mean")
     with pytest.raises(ValueError, match="damp"):
-        refine_mask(weight, gram, keep, objective="refit", damp=-0.1)
+        refine_mask(weight, gram, keep, objective="refit", damp=-0.1, ridge="mean")
     with pytest.raises(ValueError, match="resync_every"):
-        refine_mask(weight, gram, keep, objective="refit", resync_every=0)
+        refine_mask(weight, gram, keep, objective="refit", resync_every=0, ridge="mean")
 
 
 def test_default_row_batch_grows_with_the_cuda_devices_memory(monkeypatch):

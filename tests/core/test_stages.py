@@ -252,3 +252,24 @@ def test_a_new_weight_stage_plugs_in_and_takes_the_guard():
 def test_a_spec_refuses_a_stage_of_another_role():
     with pytest.raises(TypeError, match=r"start must be one of ScoreStart.* \(or another StartStage\); got Shrink"):
         PruneSpec(start=Shrink())
+
+
+def test_the_numerical_functions_default_to_their_stages():
+    """Each default lives once: ``refine_mask`` and ``refit_weights`` called with no options do what ``SwapRefine()``
+    and ``LeastSquares()`` do in ``prune_layer`` (T=25, the mask objective; least squares with the diag ridge)."""
+    gen = torch.Generator().manual_seed(3)
+    weight, x = torch.randn(8, 24, generator=gen), torch.randn(24, 96, generator=gen)
+    x[2] *= 4
+    gram = x @ x.T
+    swaps = prune_layer(weight, gram, build_spec(sparsity=0.5, max_iters=SwapRefine().max_iters))
+    assert swaps.iters > 0 and swaps.n_swaps.sum() > 0
+    assert torch.equal(refine_mask(weight, gram, swaps.start_mask).mask, swaps.keep_mask)
+    fitted = prune_layer(weight, gram, build_spec(sparsity=0.5, refine="none", weights="ls"))
+    assert LeastSquares().ridge == "diag" and LeastSquares().damp == 0.1
+    assert torch.equal(refit_weights(weight, gram, fitted.keep_mask), fitted.weight)
+    assert not torch.equal(refit_weights(weight, gram, fitted.keep_mask, ridge="mean"), fitted.weight)
+    refit = build_spec(sparsity=0.5, objective="refit", weights="ls")
+    both = prune_layer(weight, gram, refit)
+    searched = refine_mask(weight, gram, both.start_mask, objective="refit")
+    assert torch.equal(searched.mask, both.keep_mask)
+    assert torch.allclose(searched.weight.to(both.weight.dtype), both.weight, rtol=1e-6, atol=1e-6)

@@ -215,4 +215,4 @@ def test_row_batch_must_be_a_positive_int(value, error):
     with pytest.raises(error, match="row_batch must be a positive int"):
         refine_mask(weight, x.T @ x, keep, row_batch=value)
     with pytest.raises(error, match="row_batch must be a positive int"):
-        refit_weights(weight, x.T @ x, keep, row_batch=value)
+        refit_weights(weight, x.T @ x, keep, row_batch=value, ridge="mean")
