@@ -592,7 +592,7 @@ class LeastSquares(WeightStage):
             start's, else the original weights on the mask.
         ridge: ``"diag"`` (default): least squares on ``G + damp * diag(G)``, shrinking towards the dense weights
             (the problem ADMM's update solves on a fixed mask; ``core.refit.refit_weights``); ``"mean"``:
-            ``lambda = damp * mean(diag G)``, shrinking towards zero (the default until 2026-11-25, with the guard).
+            ``lambda = damp * mean(diag G)``, shrinking towards zero (an earlier default, with the guard).
 
     The defaults (ridge ``"diag"``, damp 0.1, no guard) gave the best held-out perplexity on the default model at
     60%, 70% and 2:4 (RESULTS.md, "ADMM's ridge in our re-fit"); with this ridge the guard no longer helps.
