@@ -66,7 +66,7 @@ def triton_refit_layer(
     weight, gram, keep = (t.to(device) for t in random_layer(d_in, rows, pattern, dtype=torch.float64))
     counts = keep.sum(dim=1)
     k, q = (engine.slot_count(n, d_in) for n in (int(counts.max()), d_in - int(counts.min())))
-    lam = damping(gram, 0.01, "mean")
+    lam = damping(gram, 0.01)
     state = engine(weight, keep, gram, lam, k, q, m)
     return weight, gram, keep, state, rs.pivot_floor(gram, lam), m
 

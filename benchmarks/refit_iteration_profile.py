@@ -108,7 +108,7 @@ def main() -> None:
     cuda = args.device == "cuda"
     weight, gram, keep, state, _, _ = triton_refit_layer(args.width, args.rows, args.pattern, args.device)
     rows = torch.arange(args.rows, device=args.device)
-    lam, (k, q) = damping(gram, 0.01, "mean"), state.slots
+    lam, (k, q) = damping(gram, 0.01), state.slots
     counter = DeviceOps() if args.count else None
     if args.build:
         del state  # the profiled builds need the memory

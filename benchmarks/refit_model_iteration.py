@@ -61,7 +61,7 @@ def measure(weight: torch.Tensor, gram: torch.Tensor, pattern: str, iters: int, 
     nm = options["nm"]
     w64, gram64 = weight.double(), gram.double()
     keep = warmstart_mask(weight, "wanda", sparsity=options["sparsity"], nm=nm, gram=gram64)
-    lam = damping(gram64, damp, "mean")
+    lam = damping(gram64, damp)
     out = defaultdict(float)
     started = time.perf_counter()
     shared = shared_schur_bound(gram64, lam)

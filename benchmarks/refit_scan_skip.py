@@ -80,7 +80,7 @@ def measure(weight: torch.Tensor, gram: torch.Tensor, pattern: str, iters: int, 
     nm = options["nm"]
     w64, gram64 = weight.double(), gram.double()
     keep = warmstart_mask(weight, "wanda", sparsity=options["sparsity"], nm=nm, gram=gram64)
-    lam = damping(gram64, damp, "mean")
+    lam = damping(gram64, damp)
     shared = shared_schur_bound(gram64, lam)
     out: dict[str, dict] = {"start": defaultdict(float), "after": defaultdict(float)}
     batch = _default_row_batch(keep, True, spare=0, device=torch.device("cpu"))

@@ -88,7 +88,7 @@ def measure(
     weight, gram, keep = (t.to(device) for t in random_layer(d_in, n_rows, pattern, dtype=torch.float64))
     k = int(keep.sum(1).max())
     q = d_in - k
-    lam = damping(gram, damp, "mean")
+    lam = damping(gram, damp)
     rows = torch.arange(n_rows, device=weight.device)
     # before the engines' states exist (memory: at 14336 inputs a state is 627 MiB per row)
     builds = tuple(

@@ -320,6 +320,23 @@ def apply_mask(layer: PrunableLayer, mask_2d: torch.Tensor, weight_2d: torch.Ten
     replace_weight_mask(module, mask)
 
 
+def check_finite_layers(layers: list[PrunableLayer], index: int) -> None:
+    """Raise ``ValueError`` naming the block and layer if a pruned layer's weights are not finite (nothing of the
+    block is committed or saved then): e.g. a weight update beyond float16's range (65504) written into a float16
+    model."""
+    for layer in layers:
+        module = layer.module
+        weight = getattr(module, "weight_orig", module.weight).detach()
+        if not bool(torch.isfinite(weight).all()):
+            rows = int((~torch.isfinite(weight)).any(dim=-1).sum())
+            fp16 = weight.dtype == torch.float16
+            hint = " (float16 holds at most 65504: prune in bfloat16 or float32, --dtype)" if fp16 else ""
+            raise ValueError(
+                f"block {index}, layer {layer.name}: the pruned weights are not finite in {rows} rows of "
+                f"{weight.shape[0]} ({weight.dtype}){hint}; nothing of this block was saved"
+            )
+
+
 @contextmanager
 def same_param_slot(module: nn.Module, old_name: str, new_name: str) -> Iterator[None]:
     """Inside, ``torch.nn.utils.prune`` swaps parameter ``old_name`` for ``new_name`` (``weight`` <->

@@ -71,6 +71,15 @@ def check_number(
     return float(value)
 
 
+def check_unused(config: object, defaults: dict[str, tuple[str, object]], *, owner: str, off: str, fix: str) -> None:
+    """Raise ``ValueError`` if ``config`` sets an option of a stage that is off: ``defaults`` maps each of the stage's
+    option names to ``(CLI flag, default)``; the message names the options set, ``owner`` (what they set), ``off``
+    (why the stage is off) and ``fix``."""
+    unused = [f"{name} (--{flag})" for name, (flag, default) in defaults.items() if getattr(config, name) != default]
+    if unused:
+        raise ValueError(f"{', '.join(unused)} set {owner}, but {off}: {fix}")
+
+
 def check_device(device: str | int | torch.device, what: str = "device") -> torch.device:
     """Return ``device`` as a ``torch.device`` if computation can run there now, else raise naming the fix.
 

@@ -137,7 +137,7 @@ def refit_objective(
     keep = keep_mask.to(weight.device)
     counts = keep.sum(dim=1)
     k_slots = int(counts.max()) if counts.numel() else 0
-    state = build_state(w64, keep, gram64, damping(gram64, damp, "mean"), k_slots, 0)
+    state = build_state(w64, keep, gram64, damping(gram64, damp), k_slots, 0)
     target = w64 @ gram64
     kept_target = torch.where(state.kept_ok, target.gather(1, state.kept), 0.0)
     return (target * w64).sum(dim=1) - (kept_target * state.coef).sum(dim=1)

@@ -527,7 +527,6 @@ class WeightStage(Stage):
         """The start should return its weights: this stage keeps them, or its guard falls back to them."""
         return self.keeps_start_weights or self.guard
 
-    @abstractmethod
     def fit(
         self,
         weight: torch.Tensor,
@@ -540,7 +539,16 @@ class WeightStage(Stage):
     ) -> torch.Tensor | None:
         """``[d_out, d_in]`` weights for ``keep_mask`` in ``weight``'s dtype and device (before the held-out guard),
         or None when the weights are kept. ``start_weight`` and ``refined_weight``: the weights the start
-        (when :attr:`wants_start_weights`) and the refinement (the re-fit objective) computed, or None."""
+        (when :attr:`wants_start_weights`) and the refinement (the re-fit objective) computed, or None.
+
+        By default: :meth:`solve` on the compute device (``ctx.device``, else the weight's), moved back."""
+        compute = weight.device if ctx.device is None else torch.device(ctx.device)
+        w = weight.to(compute)
+        return self.solve(w, gram.to(compute), keep_mask.to(compute)).to(weight.device)
+
+    def solve(self, weight: torch.Tensor, gram: torch.Tensor, keep_mask: torch.Tensor) -> torch.Tensor:
+        """The stage's weights for ``keep_mask``, with every tensor on one device (what :meth:`fit` calls)."""
+        raise NotImplementedError(f"weight stage {self.name!r} defines neither fit nor solve")
 
     def describe(self, budget: Budget) -> str:
         return self.label + (" (guarded)" if self.guard else "")
@@ -549,12 +557,6 @@ class WeightStage(Stage):
     def label(self) -> str:
         """The stage in ``describe``'s line, before the guard."""
         return self.name
-
-
-def _compute_on(weight: torch.Tensor, keep_mask: torch.Tensor, ctx: StageContext) -> tuple[torch.Tensor, ...]:
-    """``(weight, keep_mask)`` on the device the weight stage runs on (``ctx.device``, else the weight's)."""
-    compute = weight.device if ctx.device is None else torch.device(ctx.device)
-    return weight.to(compute), keep_mask.to(compute)
 
 
 @dataclass(frozen=True)
@@ -637,9 +639,10 @@ class LeastSquares(WeightStage):
     ) -> torch.Tensor:
         if refined_weight is not None:  # the re-fit objective's search already re-fitted these weights
             return refined_weight.to(device=weight.device, dtype=weight.dtype)
-        w, keep = _compute_on(weight, keep_mask, ctx)
-        fitted = refit_weights(w, gram.to(w.device), keep, damp=self.damp, ridge=self.ridge, solver=self.solver)
-        return fitted.to(weight.device)
+        return super().fit(weight, gram, keep_mask, ctx)
+
+    def solve(self, weight: torch.Tensor, gram: torch.Tensor, keep_mask: torch.Tensor) -> torch.Tensor:
+        return refit_weights(weight, gram, keep_mask, damp=self.damp, ridge=self.ridge, solver=self.solver)
 
 
 @dataclass(frozen=True)
@@ -661,18 +664,8 @@ class OBSUpdate(WeightStage):
         check_number(self.damp, "damp", low=0)
         check_bool(self.guard, "guard")
 
-    def fit(
-        self,
-        weight: torch.Tensor,
-        gram: torch.Tensor,
-        keep_mask: torch.Tensor,
-        ctx: StageContext,
-        *,
-        start_weight: torch.Tensor | None = None,
-        refined_weight: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        w, keep = _compute_on(weight, keep_mask, ctx)
-        return sparsegpt_prune(w, gram, keep_mask=keep, damp=self.damp).weight.to(weight.device)
+    def solve(self, weight: torch.Tensor, gram: torch.Tensor, keep_mask: torch.Tensor) -> torch.Tensor:
+        return sparsegpt_prune(weight, gram, keep_mask=keep_mask, damp=self.damp).weight
 
 
 @dataclass(frozen=True)
@@ -697,19 +690,8 @@ class ADMMUpdate(WeightStage):
         check_number(self.damp, "damp", low=0)
         check_bool(self.guard, "guard")
 
-    def fit(
-        self,
-        weight: torch.Tensor,
-        gram: torch.Tensor,
-        keep_mask: torch.Tensor,
-        ctx: StageContext,
-        *,
-        start_weight: torch.Tensor | None = None,
-        refined_weight: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        w, keep = _compute_on(weight, keep_mask, ctx)
-        fitted = admm_update(w, gram.to(w.device), keep, iters=self.iters, rho=self.rho, damp=self.damp)
-        return fitted.to(weight.device)
+    def solve(self, weight: torch.Tensor, gram: torch.Tensor, keep_mask: torch.Tensor) -> torch.Tensor:
+        return admm_update(weight, gram, keep_mask, iters=self.iters, rho=self.rho, damp=self.damp)
 
 
 @dataclass(frozen=True)
@@ -738,22 +720,11 @@ class ALPSUpdate(WeightStage):
             check_number(getattr(self, name), name, low=0)
         check_bool(self.guard, "guard")
 
-    def fit(
-        self,
-        weight: torch.Tensor,
-        gram: torch.Tensor,
-        keep_mask: torch.Tensor,
-        ctx: StageContext,
-        *,
-        start_weight: torch.Tensor | None = None,
-        refined_weight: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        w, keep = _compute_on(weight, keep_mask, ctx)
-        fitted = alps_update(
-            w, gram.to(w.device), keep, admm_iters=self.admm_iters, rho=self.rho, cg_iters=self.cg_iters,
+    def solve(self, weight: torch.Tensor, gram: torch.Tensor, keep_mask: torch.Tensor) -> torch.Tensor:
+        return alps_update(
+            weight, gram, keep_mask, admm_iters=self.admm_iters, rho=self.rho, cg_iters=self.cg_iters,
             cg_rtol=self.cg_rtol, damp=self.damp,
         )  # fmt: skip
-        return fitted.to(weight.device)
 
 
 @dataclass(frozen=True)

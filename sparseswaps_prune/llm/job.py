@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from sparseswaps_prune.atomic import save_json
-from sparseswaps_prune.core.checks import check_bool, check_choice, check_device, check_int, check_str
+from sparseswaps_prune.core.checks import check_bool, check_choice, check_device, check_int, check_str, check_unused
 from sparseswaps_prune.core.spec import NoRefine
 from sparseswaps_prune.deploy import write_sparse_files
 from sparseswaps_prune.deploy.bench import bench_model
@@ -169,12 +169,10 @@ class JobConfig:
         check_choice(self.dtype, "dtype", ("float32", "float16", "bfloat16"))
         check_int(self.eval_windows, "eval_windows", low=1, none_ok=True)
         if self.eval is None:
-            unused = [f"{name} (--{flag})" for name, flag in _EVAL_OPTIONS if getattr(self, name) != _DEFAULTS[name]]
-            if unused:
-                raise ValueError(
-                    f"{', '.join(unused)} set the perplexity evaluation, but eval is None (--eval none, or "
-                    "--blockwise, which does not evaluate): drop them"
-                )
+            check_unused(
+                self, _EVAL_OPTIONS, owner="the perplexity evaluation", fix="drop them",
+                off="eval is None (--eval none, or --blockwise, which does not evaluate)",
+            )  # fmt: skip
         if self.eval is not None and self.seqlen < 2:
             raise ValueError(f"seqlen must be at least 2 to evaluate perplexity, got {self.seqlen}; or set eval=None")
         check_int(self.seed, "seed (--seed)", low=0, below=SEED_LIMIT)
@@ -238,8 +236,11 @@ class JobConfig:
             )
 
 
-_EVAL_OPTIONS = (("eval_windows", "eval-windows"), ("eval_warmstart", "no-eval-warmstart"))
-_DEFAULTS = {name: getattr(JobConfig, name) for name, _ in _EVAL_OPTIONS}
+_EVAL_OPTIONS = {
+    name: (flag, getattr(JobConfig, name))
+    for name, flag in (("eval_windows", "eval-windows"), ("eval_warmstart", "no-eval-warmstart"))
+}
+"""The evaluation's options: name -> (CLI flag, default)."""
 
 
 def check_out_dir(out: Path) -> None:

@@ -28,6 +28,7 @@ from sparseswaps_prune.llm.io.sources import (  # noqa: F401 - DEFAULT_GGUF_FILE
     DEFAULT_GGUF_FILE,
     DEFAULT_MODEL,
     default_gguf_path,
+    gguf_parsed_once,
     load_tokenizer,
     resolve_source,
 )
@@ -126,7 +127,7 @@ def load_model(
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise TypeError(f"dtype must be a floating torch.dtype such as torch.float32, got {dtype!r}.")
     require("llm", "transformers")
-    from transformers import AutoModelForCausalLM, GgufConfig
+    from transformers import GgufConfig
 
     source, gguf = resolve_source(name_or_path, gguf_file)
     kwargs: dict[str, Any] = {"dtype": dtype}
@@ -139,24 +140,37 @@ def load_model(
         from sparseswaps_prune.deploy import load_sparse
 
         model = load_sparse(source, dtype=dtype)  # checks every tensor; the dense save's model, bit for bit
-    else:
-        reader = _checked_safetensors(source) if gguf is None else None
-        try:
-            model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
-        except Exception as err:
-            if not _is_load_error(err):
-                raise
-            raise ValueError(
-                f"cannot load the weights of {source} ({type(err).__name__}: {' '.join(str(err).split())[:300]}); "
-                "re-download or re-save the model"
-            ) from err
+        tokenizer = load_tokenizer(source, gguf)
+    elif gguf is None:
+        reader = _checked_safetensors(source)
+        model = _from_pretrained(source, kwargs)
         if reader is not None:
             _check_stored_dtypes(model, reader)
-    tokenizer = load_tokenizer(source, gguf)
+        tokenizer = load_tokenizer(source, gguf)
+    else:
+        with gguf_parsed_once():  # config, weights and tokenizer from one parse of the file
+            model = _from_pretrained(source, kwargs)
+            tokenizer = load_tokenizer(source, gguf)
     model.to(device)
     model.eval()
     model.config.use_cache = False
     return model, tokenizer
+
+
+def _from_pretrained(source: str, kwargs: dict[str, Any]) -> PreTrainedModel:
+    """``AutoModelForCausalLM.from_pretrained(source, **kwargs)``; a damaged weights file raises ``ValueError``
+    naming ``source`` and the fix."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        return AutoModelForCausalLM.from_pretrained(source, **kwargs)
+    except Exception as err:
+        if not _is_load_error(err):
+            raise
+        raise ValueError(
+            f"cannot load the weights of {source} ({type(err).__name__}: {' '.join(str(err).split())[:300]}); "
+            "re-download or re-save the model"
+        ) from err
 
 
 def _is_sparse_dir(source: str) -> bool:

@@ -27,7 +27,7 @@ from torch.nn.utils import prune
 from tqdm.auto import tqdm
 
 from sparseswaps_prune.core.budgets import OWL_LAMBDA, OWL_M, PROFILES, check_owl_m
-from sparseswaps_prune.core.checks import check_budget, check_keeps_some, check_number
+from sparseswaps_prune.core.checks import check_budget, check_keeps_some, check_number, check_unused
 from sparseswaps_prune.core.gram import GramAccumulator
 from sparseswaps_prune.core.layer import LayerOutcome, prune_layer
 from sparseswaps_prune.core.spec import Budget, DSnoTRefine, PruneSpec
@@ -43,6 +43,7 @@ from sparseswaps_prune.llm.owl import BlockLoader, owl_block_sparsities
 from sparseswaps_prune.modules import (
     PrunableLayer,
     apply_mask,
+    check_finite_layers,
     find_blocks,
     find_layers,
     input_hooks,
@@ -51,6 +52,13 @@ from sparseswaps_prune.modules import (
 from sparseswaps_prune.recipes import RECIPES, recipe_name
 
 logger = logging.getLogger(__name__)
+
+
+_TUNE_OPTIONS = {
+    "block_tune_lr": ("block-tune-lr", block_tune.BLOCK_TUNE_LR),
+    "block_tune_schedule": ("block-tune-schedule", block_tune.BLOCK_TUNE_SCHEDULE),
+}
+"""Block tuning's options besides its epochs: name -> (CLI flag, default)."""
 
 
 @dataclass
@@ -140,19 +148,10 @@ class PruneOptions:
         check_number(self.owl_lambda, "owl_lambda", low=0.0)
         check_tune(self.block_tune_epochs, self.block_tune_lr, self.block_tune_schedule)
         if self.block_tune_epochs == 0:
-            unused = [
-                f"{name} (--{name.replace('_', '-')})"
-                for name, default in (
-                    ("block_tune_lr", block_tune.BLOCK_TUNE_LR),
-                    ("block_tune_schedule", block_tune.BLOCK_TUNE_SCHEDULE),
-                )
-                if getattr(self, name) != default
-            ]
-            if unused:
-                raise ValueError(
-                    f"{', '.join(unused)} set block tuning, but block_tune_epochs is 0 (the {self.recipe} recipe's, or "
-                    "--block-tune-epochs 0): give --block-tune-epochs N, or drop them"
-                )
+            check_unused(
+                self, _TUNE_OPTIONS, owner="block tuning", fix="give --block-tune-epochs N, or drop them",
+                off=f"block_tune_epochs is 0 (the {self.recipe} recipe's, or --block-tune-epochs 0)",
+            )  # fmt: skip
         if self.sparsity_profile == "owl" and self.spec.budget.nm is not None:
             raise ValueError(
                 f"sparsity_profile='owl' gives each block its own sparsity, but the budget is "
@@ -551,23 +550,6 @@ def _process_block(
     if not dispatched:
         _to_cpu(run.blocks[index], layers)
     return layers, reports, inputs
-
-
-def check_finite_layers(layers: list[PrunableLayer], index: int) -> None:
-    """Raise ``ValueError`` naming the block and layer if a pruned layer's weights are not finite (nothing of the
-    block is committed or saved then): e.g. a weight update beyond float16's range (65504) written into a float16
-    model."""
-    for layer in layers:
-        module = layer.module
-        weight = getattr(module, "weight_orig", module.weight).detach()
-        if not bool(torch.isfinite(weight).all()):
-            rows = int((~torch.isfinite(weight)).any(dim=-1).sum())
-            fp16 = weight.dtype == torch.float16
-            hint = " (float16 holds at most 65504: prune in bfloat16 or float32, --dtype)" if fp16 else ""
-            raise ValueError(
-                f"block {index}, layer {layer.name}: the pruned weights are not finite in {rows} rows of "
-                f"{weight.shape[0]} ({weight.dtype}){hint}; nothing of this block was saved"
-            )
 
 
 def _prune_block(

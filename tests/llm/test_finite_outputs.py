@@ -8,8 +8,8 @@ import torch
 from sparseswaps_prune.llm import pipeline
 from sparseswaps_prune.llm.data import load_calibration
 from sparseswaps_prune.llm.models import tiny_model
-from sparseswaps_prune.llm.pipeline import PruneOptions, check_finite_layers, prune_model
-from sparseswaps_prune.modules import find_layers
+from sparseswaps_prune.llm.pipeline import PruneOptions, prune_model
+from sparseswaps_prune.modules import check_finite_layers, find_layers
 
 
 def test_check_finite_layers_names_the_block_layer_rows_and_the_float16_fix():

@@ -143,3 +143,43 @@ def test_default_model_loads_saves_and_reloads(tmp_path, default_lm):
     input_ids = tokenizer("def add(a, b):\n    return a + b", return_tensors="pt").input_ids
     with torch.no_grad():
         torch.testing.assert_close(reloaded(input_ids).logits, model(input_ids).logits)
+
+
+# ---------------------------------------------------------------- one GGUF parse per load
+
+
+def _tiny_gguf(path):
+    import gguf
+    import numpy as np
+
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(2)
+    writer.add_tensor("token_embd.weight", np.arange(12, dtype=np.float32).reshape(3, 4))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_gguf_parsed_once_shares_one_parse_inside_and_none_after(tmp_path):
+    import gguf
+
+    from sparseswaps_prune.llm.io.sources import gguf_parsed_once
+
+    path, other = _tiny_gguf(tmp_path / "a.gguf"), _tiny_gguf(tmp_path / "b.gguf")
+    originals = (gguf.GGUFReader, gguf.get_tensor_name_map)
+    with gguf_parsed_once():
+        first = gguf.GGUFReader(path)
+        assert gguf.GGUFReader(str(path)) is first  # the same file, however named: the same parse
+        assert gguf.GGUFReader(other) is not first
+        assert torch.equal(torch.from_numpy(first.tensors[0].data.copy()), torch.arange(12.0).reshape(3, 4))
+        name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2)
+        assert gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2) is name_map
+        assert gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 3) is not name_map
+        assert name_map.get_name("model.layers.1.mlp.down_proj") == "blk.1.ffn_down"
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map) == originals
+    assert gguf.GGUFReader(path) is not first  # nothing kept after the block
+    with pytest.raises(RuntimeError), gguf_parsed_once():
+        raise RuntimeError("a failed load")
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map) == originals  # restored on an error too

@@ -43,7 +43,7 @@ from sparseswaps_prune.llm.io.formats import (
     read_safetensors_header,
 )
 from sparseswaps_prune.llm.io.skeleton import empty_model, set_tensor
-from sparseswaps_prune.llm.io.sources import DEFAULT_MODEL, load_tokenizer, resolve_source
+from sparseswaps_prune.llm.io.sources import DEFAULT_MODEL, gguf_parsed_once, load_tokenizer, resolve_source
 
 logger = logging.getLogger(__name__)
 
@@ -268,8 +268,8 @@ class GGUFCheckpoint(CheckpointReader):
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         require("llm", "transformers", "accelerate", "gguf")
+        import gguf
         import numpy as np
-        from gguf import GGUFReader
 
         try:
             from transformers.modeling_gguf_pytorch_utils import (
@@ -291,36 +291,37 @@ class GGUFCheckpoint(CheckpointReader):
         if not self.path.is_file():
             raise FileNotFoundError(f"GGUF file {self.path} does not exist")
         self.directory = self.path.parent
-        try:
-            reader = GGUFReader(self.path)
-            architecture = read_field(reader, "general.architecture")[0]
-        except Exception as err:  # gguf's reader raises ValueError, IndexError, KeyError, ... on a damaged file
-            raise ValueError(
-                f"{self.path} is not a valid GGUF file ({type(err).__name__}: {' '.join(str(err).split())[:200]}); "
-                "re-download the model"
-            ) from err
-        size = self.path.stat().st_size
-        for t in reader.tensors:
-            if t.data_offset + t.data.nbytes > size:
+        with gguf_parsed_once():  # the config, the name map and the tensor table from one parse of the file
+            try:
+                reader = gguf.GGUFReader(self.path)
+                architecture = read_field(reader, "general.architecture")[0]
+            except Exception as err:  # gguf's reader raises ValueError, IndexError, KeyError, ... on a damaged file
                 raise ValueError(
-                    f"{self.path} is not a valid GGUF file: tensor {t.name} ends at byte "
-                    f"{t.data_offset + t.data.nbytes}, beyond the file's {size} (cut short?); re-download the model"
+                    f"{self.path} is not a valid GGUF file ({type(err).__name__}: {' '.join(str(err).split())[:200]}); "
+                    "re-download the model"
+                ) from err
+            size = self.path.stat().st_size
+            for t in reader.tensors:
+                if t.data_offset + t.data.nbytes > size:
+                    raise ValueError(
+                        f"{self.path} is not a valid GGUF file: tensor {t.name} ends at byte "
+                        f"{t.data_offset + t.data.nbytes}, beyond the file's {size} (cut short?); re-download the model"
+                    )
+            # name -> (ggml type, offset in the file, dtype and shape of the stored array as GGUFReader views it)
+            self._stored = {t.name: (t.tensor_type, t.data_offset, t.data.dtype, t.data.shape) for t in reader.tensors}
+            self._position = {name: index for index, name in enumerate(self._stored)}
+            elements = {t.name: tuple(reversed(t.shape.tolist())) for t in reader.tensors}
+            if _gguf_converted(architecture):
+                raise ValueError(
+                    f"{self.path.name}: transformers loads GGUF architecture {architecture!r} through its "
+                    "weight-conversion path, which the block-wise reader does not reproduce; convert the model with "
+                    "load_model(...) + save_pretrained, or prune it in memory with prune_model"
                 )
-        # name -> (ggml type, offset in the file, dtype and shape of the stored array as GGUFReader views it)
-        self._stored = {t.name: (t.tensor_type, t.data_offset, t.data.dtype, t.data.shape) for t in reader.tensors}
-        self._position = {name: index for index, name in enumerate(self._stored)}
-        elements = {t.name: tuple(reversed(t.shape.tolist())) for t in reader.tensors}
+            parsed = load_gguf_checkpoint(str(self.path), return_tensors=False)["config"]
+            self._processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=parsed)
+            self._config = self.load_config()
+            self._names = get_gguf_hf_weights_map(empty_model(self._config, torch.float32), self._processor)
         del reader  # its memory map of the whole file
-        if _gguf_converted(architecture):
-            raise ValueError(
-                f"{self.path.name}: transformers loads GGUF architecture {architecture!r} through its "
-                "weight-conversion path, which the block-wise reader does not reproduce; convert the model with "
-                "load_model(...) + save_pretrained, or prune it in memory with prune_model"
-            )
-        parsed = load_gguf_checkpoint(str(self.path), return_tensors=False)["config"]
-        self._processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=parsed)
-        self._config = self.load_config()
-        self._names = get_gguf_hf_weights_map(empty_model(self._config, torch.float32), self._processor)
         # Shapes and sources of the model's tensors: the conversion run on stand-ins of the stored shapes that hold
         # no memory (zero strides).
         self._sources: dict[str, list[str]] = {}

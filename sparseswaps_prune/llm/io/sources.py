@@ -7,9 +7,12 @@ file, a local directory, a hub name) maps to a ``from_pretrained`` source, and i
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import logging
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 from sparseswaps_prune.extras import require
@@ -133,3 +136,34 @@ def load_tokenizer(source: str, gguf_file: str | None) -> PreTrainedTokenizerBas
         else:
             tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+@contextmanager
+def gguf_parsed_once() -> Iterator[None]:
+    """Inside, each GGUF file is parsed once and gguf's tensor-name map is built once per architecture and depth.
+
+    Loading a GGUF, transformers parses the file's metadata (the tokenizer's vocabulary and merges included) once
+    for the config, once for the weights and once for the tokenizer, and rebuilds ``gguf.get_tensor_name_map`` for
+    every submodule of the model (hundreds of times for SmolLM2). Both are pure functions of their arguments and
+    the file, so inside this block ``gguf.GGUFReader`` returns the reader already made for the same path and mode,
+    and the name map is memoized: the same tensors and tokenizer, with about a quarter less time to load the
+    default model. Nothing is kept after the block (a file changed afterwards is parsed afresh). Not thread-safe
+    (it sets two attributes of the ``gguf`` module for the block's duration).
+    """
+    require("llm", "gguf")
+    import gguf
+
+    original_reader, original_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    parsed: dict[tuple[str, str], object] = {}
+
+    def reader(path: str | os.PathLike[str], mode: str = "r") -> object:
+        key = (os.path.realpath(path), mode)
+        if key not in parsed:
+            parsed[key] = original_reader(path, mode)
+        return parsed[key]
+
+    gguf.GGUFReader, gguf.get_tensor_name_map = reader, functools.lru_cache(maxsize=None)(original_map)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = original_reader, original_map
