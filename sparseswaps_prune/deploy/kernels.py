@@ -5,20 +5,28 @@ of byte ``c // 8`` set where column ``c`` is kept), ``row_ptr int64 [rows + 1]``
 ``values [n_kept + 8]`` (float32, or bfloat16 bits as uint16; 8 trailing zeros so that a vector load at the last
 value stays inside the array). Memory per weight: 1 bit plus the kept fraction times the value size.
 
-Two kernels compute the same sums (8 lanes per row, lane ``l`` summing the columns ``c`` with ``c % 8 == l``, the
-lanes then added in a fixed order: deterministic, independent of the thread count):
+Two kernels compute the same sums up to float32 rounding (8 lanes per row, lane ``l`` summing the columns ``c`` with
+``c % 8 == l``, the lanes then added in a fixed order: deterministic, independent of the thread count):
 
-* ``avx2`` (x86-64 with AVX2 and FMA, when numba compiles for the host CPU): per mask byte, the next 8 values are
-  loaded, spread to their columns with one ``vpermps`` (a 256-entry table of permutations), the unset lanes are
-  cleared with a 256-entry table of lane masks, and a fused multiply-add accumulates them against the 8 inputs. It
-  handles 1, 2 or 4 tokens per pass over a row (the permuted values are reused for every token), so a batch of
-  ``B`` tokens reads each weight row once per 4 tokens. Written as numba intrinsics emitting LLVM IR (no fast-math
-  flags).
-* ``portable`` (any CPU): the same loop in plain numba, one set bit at a time (multiply then add).
+* ``avx2`` (x86-64 with AVX2 and FMA, when numba compiles for the host CPU): the bitmask is read 8 bytes at a time
+  as one 64-bit word; each byte's first value is found from a popcount of the word's lower bits (no chain of
+  additions from byte to byte), and ``values`` is prefetched ahead. Per mask byte one unaligned 32-byte load holds
+  all its values, those of bits 0-3 the last of its low 16 bytes and those of bits 4-7 the first of its high 16
+  bytes, so that one in-lane ``vpshufb`` (a 256-entry table per dtype) moves each kept value to its lane and zeroes
+  the others, widening bfloat16 to float32 in the same shuffle; a fused multiply-add accumulates it against the 8
+  inputs, into 8 accumulators in all (byte ``i`` of a word into accumulator ``i % (8 // tokens)`` of its token, the
+  bytes after the last whole word into the first; the accumulators are added in order at the end). It handles 1,
+  2 or 4 tokens per pass over a row (the spread values are reused for every token), so a batch of ``B`` tokens
+  reads each weight row once per 4 tokens. The load starts up to 8 values before a byte's first value: a row whose
+  values start within the first 8 of ``values`` runs on a copy of its values behind 8 zeros, so that no read leaves
+  the array. Written as numba intrinsics emitting LLVM IR (no fast-math flags).
+* ``portable`` (any CPU): the same lanes in plain numba, one set bit at a time (multiply then add, one accumulator
+  per lane).
 
 Both are ``numba.njit(parallel=True, fastmath=False, cache=True)``, ``prange`` over output rows, with numba's
 current thread count (``numba.set_num_threads``); calls with less work than :data:`PARALLEL_MIN_WORK` run a serial
-twin on the calling thread. Inputs are float32 (bf16 values are widened exactly by a 16-bit shift), sums float32.
+twin on the calling thread. Inputs are float32 (bf16 values are widened exactly, to the high half of a float32),
+sums float32.
 """
 
 from __future__ import annotations
@@ -51,20 +59,35 @@ _KERNEL_ENV = "SPARSESWAPS_SPARSE_KERNEL"
 """Environment variable forcing a kernel (``avx2`` or ``portable``) for :func:`default_kernel`."""
 
 
-def _lane_table() -> np.ndarray:
-    table = np.zeros((512, 8), dtype=np.int32)
+def _shuffle_table(value_bytes: int) -> np.ndarray:
+    """``vpshufb`` controls ``uint8 [256, 32]`` for values of ``value_bytes`` bytes (4: float32, 2: bfloat16 bits)
+    loaded as 32 bytes that end the values of bits 0-3 of a mask byte at byte 16 and start those of bits 4-7 there:
+    lane ``l`` of the result takes its value's bytes into the high bytes of the lane, or 0x80 (zero) for a clear
+    bit."""
+    table = np.full((256, 32), 0x80, dtype=np.uint8)
+    per_half = 16 // value_bytes
     for byte in range(256):
-        count = 0
-        for lane in range(8):
-            if byte >> lane & 1:
-                table[byte, lane] = count  # which of the next 8 values lands in this lane
-                table[256 + byte, lane] = -1  # all bits set: keep the lane
-                count += 1
-    return table.reshape(-1)
+        low = [lane for lane in range(4) if byte >> lane & 1]
+        high = [lane for lane in range(4, 8) if byte >> lane & 1]
+        # value i of the low nibble is element per_half - len(low) + i of the load, value i of the high one per_half + i
+        places = [(lane, per_half - len(low) + i) for i, lane in enumerate(low)]
+        places += [(lane, per_half + i) for i, lane in enumerate(high)]
+        for lane, element in places:
+            source = value_bytes * element - 16 * (lane // 4)  # vpshufb indexes within each 16-byte half
+            for b in range(value_bytes):
+                table[byte, 4 * lane + 4 - value_bytes + b] = source + b
+    return table
 
 
-LANE_TABLE = _lane_table()
-"""int32 ``[512 * 8]``: rows 0-255 the ``vpermps`` index of each lane per mask byte, rows 256-511 the lane masks."""
+LANE_TABLE = np.stack([_shuffle_table(4), _shuffle_table(2)]).reshape(-1)
+"""uint8 ``[2 * 256 * 32]``: the ``vpshufb`` control per mask byte for float32 values, then for bfloat16 values."""
+
+_FRONT = 8
+"""Values the avx2 kernel may read before a row's current one (``16 / value bytes``, at most 8 for bfloat16)."""
+
+_PREFETCH_BYTES, _PREFETCH_LINES = 2048, 3
+"""The avx2 kernel prefetches ``_PREFETCH_LINES`` cache lines of ``values`` from ``_PREFETCH_BYTES`` ahead of the
+current value, per 8 mask bytes."""
 
 
 @functools.lru_cache(maxsize=1)
@@ -94,9 +117,8 @@ def default_kernel() -> str:
 # --------------------------------------------------------------------------------------------------------------------
 # AVX2 intrinsics: tokens x[xoff + t * xstride : ...], t < tokens, against one weight row.
 
-_I64, _I32, _I16 = ir.IntType(64), ir.IntType(32), ir.IntType(16)
-_F32 = ir.FloatType()
-_V8F, _V8I, _V8H = ir.VectorType(_F32, 8), ir.VectorType(_I32, 8), ir.VectorType(_I16, 8)
+_I64, _I32, _I8 = ir.IntType(64), ir.IntType(32), ir.IntType(8)
+_V8F, _V32B = ir.VectorType(ir.FloatType(), 8), ir.VectorType(_I8, 32)
 
 
 def _const(value: int) -> ir.Constant:
@@ -109,33 +131,30 @@ def _emit_row(context, builder, signature, args, tokens: int):
         context.make_array(ty)(context, builder, value) for ty, value in zip(signature.args[:4], args[:4], strict=True)
     )
     mstart, k0, nbytes, xoff, xstride = args[4:9]
-    bf16 = signature.args[1].dtype == types.uint16
+    value_bytes = 2 if signature.args[1].dtype == types.uint16 else 4
     module = builder.module
-    permps = cgutils.get_or_insert_function(module, ir.FunctionType(_V8F, [_V8F, _V8I]), "llvm.x86.avx2.permps")
+    pshufb = cgutils.get_or_insert_function(module, ir.FunctionType(_V32B, [_V32B, _V32B]), "llvm.x86.avx2.pshuf.b")
     fma = cgutils.get_or_insert_function(module, ir.FunctionType(_V8F, [_V8F, _V8F, _V8F]), "llvm.fma.v8f32")
     ctpop = cgutils.get_or_insert_function(module, ir.FunctionType(_I64, [_I64]), "llvm.ctpop.i64")
+    prefetch = cgutils.get_or_insert_function(
+        module, ir.FunctionType(ir.VoidType(), [_I8.as_pointer(), _I32, _I32, _I32]), "llvm.prefetch"
+    )
     zero = ir.Constant(_V8F, None)
     mask_row = builder.gep(mask_a.data, [mstart])
+    table = builder.gep(lut_a.data, [_const(0 if value_bytes == 4 else 256 * 32)])
+    value_base = builder.bitcast(vals_a.data, _I8.as_pointer())
     x_rows = [builder.gep(x_a.data, [builder.add(xoff, builder.mul(xstride, _const(t)))]) for t in range(tokens)]
-    unroll = max(1, 4 // tokens)  # 4 independent accumulator chains in all
+    groups = 8 // tokens  # 8 independent accumulator chains in all
 
-    def spread(byte_index, k):
-        """The 8 values of mask byte ``byte_index`` (starting at value ``k``) in their lanes, and the next ``k``."""
-        m = builder.zext(builder.load(builder.gep(mask_row, [byte_index])), _I64)
-        row8 = builder.shl(m, _const(3))
-        perm = builder.load(builder.bitcast(builder.gep(lut_a.data, [row8]), _V8I.as_pointer()), align=4)
-        lanes = builder.gep(lut_a.data, [builder.add(row8, _const(2048))])
-        lanes = builder.load(builder.bitcast(lanes, _V8I.as_pointer()), align=4)
-        if bf16:
-            raw = builder.load(builder.bitcast(builder.gep(vals_a.data, [k]), _V8H.as_pointer()), align=2)
-            v = builder.bitcast(builder.shl(builder.zext(raw, _V8I), ir.Constant(_V8I, [16] * 8)), _V8F)
-        else:
-            v = builder.load(builder.bitcast(builder.gep(vals_a.data, [k]), _V8F.as_pointer()), align=4)
-        spread_v = builder.call(permps, [v, perm])
-        spread_v = builder.bitcast(builder.and_(builder.bitcast(spread_v, _V8I), lanes), _V8F)
-        return spread_v, builder.add(k, builder.call(ctpop, [m]))
+    def value_ptr(k):
+        return builder.gep(value_base, [builder.mul(k, _const(value_bytes))])
 
-    def accumulate(byte_index, spread_v, accs):
+    def step(byte_index, m, high_ptr, accs):
+        """Accumulate mask byte ``m`` (i64) at ``byte_index``, whose bits 4-7 have their values from ``high_ptr``."""
+        ctrl = builder.gep(table, [builder.shl(m, _const(5))])
+        ctrl = builder.load(builder.bitcast(ctrl, _V32B.as_pointer()), align=1)
+        raw = builder.load(builder.bitcast(builder.gep(high_ptr, [_const(-16)]), _V32B.as_pointer()), align=1)
+        spread_v = builder.bitcast(builder.call(pshufb, [raw, ctrl]), _V8F)
         column = builder.shl(byte_index, _const(3))
         out = []
         for t, acc in enumerate(accs):
@@ -144,7 +163,7 @@ def _emit_row(context, builder, signature, args, tokens: int):
         return out
 
     function, entry = builder.function, builder.block
-    n_main = builder.and_(nbytes, _const(-unroll))
+    n_main = builder.and_(nbytes, _const(-8))
     head = function.append_basic_block("sparse.head")
     body = function.append_basic_block("sparse.body")
     tail_head = function.append_basic_block("sparse.tail_head")
@@ -152,9 +171,9 @@ def _emit_row(context, builder, signature, args, tokens: int):
     done = function.append_basic_block("sparse.done")
     builder.branch(head)
 
-    builder.position_at_end(head)
+    builder.position_at_end(head)  # whole 64-bit words of the mask
     j, k = builder.phi(_I64), builder.phi(_I64)
-    accs = [[builder.phi(_V8F) for _ in range(tokens)] for _ in range(unroll)]
+    accs = [[builder.phi(_V8F) for _ in range(tokens)] for _ in range(groups)]
     j.add_incoming(_const(0), entry)
     k.add_incoming(k0, entry)
     for group in accs:
@@ -163,19 +182,25 @@ def _emit_row(context, builder, signature, args, tokens: int):
     builder.cbranch(builder.icmp_signed("<", j, n_main), body, tail_head)
 
     builder.position_at_end(body)
-    k_next, new_accs = k, []
-    for u in range(unroll):
-        byte_index = builder.add(j, _const(u))
-        spread_v, k_next = spread(byte_index, k_next)
-        new_accs.append(accumulate(byte_index, spread_v, accs[u]))
-    j.add_incoming(builder.add(j, _const(unroll)), body)
-    k.add_incoming(k_next, body)
+    new_accs = [list(group) for group in accs]
+    word = builder.load(builder.bitcast(builder.gep(mask_row, [j]), _I64.as_pointer()), align=1)
+    word_ptr = value_ptr(k)
+    for line in range(_PREFETCH_LINES):
+        ahead = builder.gep(word_ptr, [_const(_PREFETCH_BYTES + 64 * line)])
+        builder.call(prefetch, [ahead, ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
+    for u in range(8):
+        m = builder.and_(builder.lshr(word, _const(8 * u)), _const(255))
+        before = builder.call(ctpop, [builder.shl(word, _const(60 - 8 * u))])  # set bits below bit 8u + 4
+        high_ptr = builder.gep(word_ptr, [builder.mul(before, _const(value_bytes))])
+        new_accs[u % groups] = step(builder.add(j, _const(u)), m, high_ptr, new_accs[u % groups])
+    j.add_incoming(builder.add(j, _const(8)), body)
+    k.add_incoming(builder.add(k, builder.call(ctpop, [word])), body)
     for group, new_group in zip(accs, new_accs, strict=True):
         for acc, new in zip(group, new_group, strict=True):
             acc.add_incoming(new, body)
     builder.branch(head)
 
-    builder.position_at_end(tail_head)  # the last nbytes % unroll bytes, into the first accumulator group
+    builder.position_at_end(tail_head)  # the last bytes, one at a time, into the first accumulator group
     tj, tk = builder.phi(_I64), builder.phi(_I64)
     taccs = [builder.phi(_V8F) for _ in range(tokens)]
     tj.add_incoming(j, head)
@@ -185,10 +210,11 @@ def _emit_row(context, builder, signature, args, tokens: int):
     builder.cbranch(builder.icmp_signed("<", tj, nbytes), tail_body, done)
 
     builder.position_at_end(tail_body)
-    spread_v, tk_next = spread(tj, tk)
-    new_taccs = accumulate(tj, spread_v, taccs)
+    m = builder.zext(builder.load(builder.gep(mask_row, [tj])), _I64)
+    high_ptr = value_ptr(builder.add(tk, builder.call(ctpop, [builder.and_(m, _const(15))])))
+    new_taccs = step(tj, m, high_ptr, taccs)
     tj.add_incoming(builder.add(tj, _const(1)), tail_body)
-    tk.add_incoming(tk_next, tail_body)
+    tk.add_incoming(builder.add(tk, builder.call(ctpop, [m])), tail_body)
     for tacc, new in zip(taccs, new_taccs, strict=True):
         tacc.add_incoming(new, tail_body)
     builder.branch(tail_head)
@@ -228,6 +254,11 @@ def _avx2_row(mask, row_ptr, values, x, out, r):  # pragma: no cover - compiled
     lut = LANE_TABLE
     batch, nbytes, width = out.shape[0], mask.shape[1], x.shape[1]
     mstart, k0 = r * nbytes, row_ptr[r]
+    if k0 < _FRONT:  # the kernel reads up to _FRONT values before the current one: a copy with zeros in front
+        end = row_ptr[r + 1] + 8
+        front = np.zeros(_FRONT + end, dtype=values.dtype)
+        front[_FRONT:] = values[:end]
+        values, k0 = front, k0 + _FRONT
     t = 0
     while t + 4 <= batch:
         s0, s1, s2, s3 = _row4(mask, values, x, lut, mstart, k0, nbytes, t * width, width)
@@ -260,7 +291,7 @@ def _as_float32_impl(value):
 
 @nb.njit(fastmath=False, cache=True)
 def _portable_row(mask, row_ptr, values, x, out, r):  # pragma: no cover - compiled
-    """Row ``r`` of ``out [batch, rows]``: the same lanes and order as the avx2 kernel, multiply then add."""
+    """Row ``r`` of ``out [batch, rows]``: the lanes of the avx2 kernel, one accumulator each, multiply then add."""
     batch, nbytes = out.shape[0], mask.shape[1]
     lanes = np.zeros((batch, 8), dtype=np.float32)
     k = row_ptr[r]
@@ -366,7 +397,8 @@ def spmm(
     if x.ndim != 2 or x.shape[1] > nbytes * 8:
         raise ValueError(f"x must be [batch, cols <= {nbytes * 8}], got shape {x.shape}")
     threads = nb.get_num_threads()
-    return run_spmm(kernel, threads, np.ascontiguousarray(bitmask), row_ptr, values, pad_inputs(x, nbytes))
+    bitmask, values = np.ascontiguousarray(bitmask), np.ascontiguousarray(values)
+    return run_spmm(kernel, threads, bitmask, row_ptr, values, pad_inputs(x, nbytes))
 
 
 def run_spmm(

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import ctypes
+import mmap
+import sys
+
 import numba
 import numpy as np
 import pytest
@@ -86,3 +90,54 @@ def test_densify_is_exact_and_inputs_are_checked(monkeypatch):
     finally:
         monkeypatch.delenv("SPARSESWAPS_SPARSE_KERNEL")
         kernels.default_kernel.cache_clear()
+
+
+def guarded(values, at_end):
+    """A copy of ``values`` in anonymous memory between two inaccessible pages, starting right after the first one
+    (or, ``at_end``, ending right before the second one): a read outside the array faults."""
+    page = mmap.PAGESIZE
+    pages = -(-values.nbytes // page)
+    buf = mmap.mmap(-1, (pages + 2) * page)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+    libc = ctypes.CDLL(None, use_errno=True)
+    for start in (base, base + (pages + 1) * page):
+        assert libc.mprotect(ctypes.c_void_p(start), ctypes.c_size_t(page), 0) == 0  # PROT_NONE
+    offset = page + (pages * page - values.nbytes if at_end else 0)
+    copy = np.frombuffer(buf, dtype=values.dtype, count=values.size, offset=offset)
+    copy[:] = values
+    return copy
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="mprotect through libc")
+@pytest.mark.parametrize("kernel", AVAILABLE)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("at_end", [False, True])
+def test_kernel_reads_only_inside_values(kernel, dtype, at_end):
+    # rows starting within the first 8 values (the avx2 kernel's window reaches back up to 8 values), and the last
+    # row's values ending at the array's 8 padding entries
+    gen = torch.Generator().manual_seed(11)
+    weight = torch.randn(6, 77, generator=gen) * (torch.rand(6, 77, generator=gen) > 0.5)
+    weight[0] = 0.0
+    weight[1] = 0.0
+    weight[2, 3:] = 0.0  # rows 1-3 start at values 0, 0 and at most 3
+    weight = weight.to(dtype)
+    bitmask, row_ptr, values = encoded(weight)
+    values = guarded(values, at_end)
+    for batch in (1, 2, 4, 7):
+        x = torch.randn(batch, 77, generator=gen)
+        check(kernels.spmm(bitmask, row_ptr, values, x.numpy(), kernel=kernel), x, weight)
+
+
+@pytest.mark.parametrize("kernel", AVAILABLE)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_mask_byte(kernel, dtype):
+    # row 1 holds the mask bytes 0..255 in order, row 2 in reverse (each byte after each other pattern of popcounts)
+    bits = torch.arange(256).unsqueeze(1).bitwise_right_shift(torch.arange(8)).bitwise_and(1).bool().reshape(-1)
+    gen = torch.Generator().manual_seed(7)
+    weight = torch.randn(3, 2048, generator=gen) * torch.stack([bits, bits, bits.reshape(256, 8).flip(0).reshape(-1)])
+    weight = weight.to(dtype)
+    bitmask, row_ptr, values = encoded(weight)
+    assert bitmask[1].tolist() == list(range(256))
+    for batch in (1, 2, 4):
+        x = torch.randn(batch, 2048, generator=gen)
+        check(kernels.spmm(bitmask, row_ptr, values, x.numpy(), kernel=kernel), x, weight)

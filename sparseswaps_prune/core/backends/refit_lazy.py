@@ -61,14 +61,9 @@ class LazyRefitState(ABC):
     ``k < rank``; entries past ``rank`` are zero). It reads as a ``RefitState`` through :meth:`h_diagonal`,
     :meth:`z_rows` and :meth:`z_columns` (``refit_state.best_removals`` and the reference scan read it so).
 
-    Args:
-        w64: ``[R, d]`` float64 weights; keep: ``[R, d]`` bool mask the state is built from (read by :meth:`build`
-            only; neither is modified). gram64: ``[d, d]`` float64 Gram on the same device; lam: absolute damping.
-        k_slots, q_slots: kept and pruned slot counts (from :meth:`slot_count`). m: N:M block size, or None.
-        row_offset: layer indices of the rows (``[R]`` int64) or of row 0 (int), for the singular-system error.
-        row_batch: not read: the build is chunked by elements (:data:`BUILD_ELEMENTS`), not rows (the engine
-            contract's argument, for the torch reference).
-        factor_slots: pending terms per row before a fold (even, >= 2; default ``FACTOR_SLOTS``).
+    Args: as :class:`~.refit_engine.RefitEngine`'s (every tensor on ``w64``'s device; ``row_batch`` is not read: the
+    build is chunked by elements, :data:`BUILD_ELEMENTS`), and ``factor_slots``: pending terms per row before a fold
+    (even, >= 2; default ``FACTOR_SLOTS``).
 
     Every row is built on construction (:meth:`build`).
 
