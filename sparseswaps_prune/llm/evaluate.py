@@ -158,8 +158,9 @@ def zero_shot(
         tokenizer: Its tokenizer.
         tasks: lm-eval task, group or tag names, or paths of YAML task files.
         include_path: Directory of extra YAML task configs (searched in addition to lm-eval's
-            built-in tasks). A local multiple-choice task can use ``dataset_path: json`` with
-            ``dataset_kwargs: {data_files: {test: /abs/path/items.jsonl}}``; relative
+            built-in tasks; when every task is found there or given as a YAML path, lm-eval's own task
+            index is not built, unless loading them needs it). A local multiple-choice task can use
+            ``dataset_path: json`` with ``dataset_kwargs: {data_files: {test: /abs/path/items.jsonl}}``; relative
             ``data_files`` resolve against the current directory, not the YAML's.
         limit: Evaluate at most this many documents per task (for quick checks).
         batch_size: lm-eval batch size.
@@ -184,7 +185,12 @@ def zero_shot(
     from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
 
-    manager = TaskManager(include_path=include_path)
+    # The user's own tasks (include_path, YAML files) are indexed alone: lm-eval's index of its thousands of tasks
+    # takes 10-20 s to build; it is built when a task is not the user's, or a user's task needs lm-eval's.
+    manager = TaskManager(include_path=include_path, include_defaults=False)
+    own_tasks = all(t in manager.all_tasks or _is_task_file(t) for t in tasks)
+    if not own_tasks:
+        manager = TaskManager(include_path=include_path)
     unknown = [t for t in tasks if t not in manager.all_tasks and not _is_task_file(t)]
     if unknown:
         raise ValueError(
@@ -194,15 +200,19 @@ def zero_shot(
             "or pass the YAML file's path as the task name."
         )
     lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
-    output = lm_eval.simple_evaluate(
-        model=lm,
-        tasks=list(tasks),
-        num_fewshot=num_fewshot,
-        limit=limit,
-        task_manager=manager,
-        bootstrap_iters=0,
-        log_samples=False,
-    )
+
+    def evaluate(manager: TaskManager) -> dict:
+        return lm_eval.simple_evaluate(
+            model=lm, tasks=list(tasks), num_fewshot=num_fewshot, limit=limit, task_manager=manager,
+            bootstrap_iters=0, log_samples=False,
+        )  # fmt: skip
+
+    try:
+        output = evaluate(manager)
+    except Exception:
+        if not own_tasks:
+            raise
+        output = evaluate(TaskManager(include_path=include_path))  # e.g. a local group of lm-eval's own tasks
     scores: dict[str, float] = {}
     for name, metrics in output["results"].items():
         for key in ("acc_norm,none", "acc,none"):

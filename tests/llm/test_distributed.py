@@ -19,12 +19,20 @@ import torch
 import torch.multiprocessing as mp
 from transformers import AutoModelForCausalLM
 
+from sparseswaps_prune.cli import main
 from sparseswaps_prune.core.gram import GramAccumulator
 from sparseswaps_prune.core.spec import build_spec
 from sparseswaps_prune.llm import pipeline
 from sparseswaps_prune.llm.capture import BlockInputs, capture_block_inputs
 from sparseswaps_prune.llm.checkpoint import CheckpointMismatch
-from sparseswaps_prune.llm.distributed import WindowShards, WorkUnit, init_from_env, plan_work, sum_shard_grams
+from sparseswaps_prune.llm.distributed import (
+    TORCHRUN_ENV,
+    WindowShards,
+    WorkUnit,
+    init_from_env,
+    plan_work,
+    sum_shard_grams,
+)
 from sparseswaps_prune.llm.job import JobConfig
 from sparseswaps_prune.llm.models import tiny_model
 from sparseswaps_prune.llm.pipeline import PruneOptions, finalize, prune_model
@@ -286,7 +294,7 @@ def _cli(args: list[str], tmp: Path, ranks: int = 0) -> subprocess.CompletedProc
     return subprocess.run([*launch, *args], capture_output=True, text=True, env=env, cwd=tmp, timeout=600)
 
 
-def test_torchrun_job_equals_one_process(saved_tiny, tmp_path):
+def test_torchrun_job_equals_one_process(saved_tiny, tmp_path, capsys, monkeypatch):
     args = ["prune", "--model", str(saved_tiny), "--nsamples", "4", "--holdout", "2", "--batch-size", "1",
             "--calib-shards", "2", "--seqlen", "32", "--eval-windows", "2", "--recipe", "sparseswaps-refit",
             "--max-iters", "2", "--block-tune-epochs", "0", "--quiet"]  # fmt: skip
@@ -302,8 +310,11 @@ def test_torchrun_job_equals_one_process(saved_tiny, tmp_path):
     assert report_b["perplexity"] == report_a["perplexity"] and timeless_totals[0] == timeless_totals[1]
     assert report_b["config"] == report_a["config"] | {"distributed": True}
     assert not (tmp_path / "two" / ".sparseswaps_state").exists()
-    bad = _cli([*args, "--distributed", "--out", str(tmp_path / "bad")], tmp_path)  # not under torchrun
-    assert bad.returncode == 2 and "launched by torchrun" in bad.stderr and not (tmp_path / "bad").exists()
+    for name in TORCHRUN_ENV:  # not under torchrun
+        monkeypatch.delenv(name, raising=False)
+    capsys.readouterr()
+    assert main([*args, "--distributed", "--out", str(tmp_path / "bad")]) == 2
+    assert "launched by torchrun" in capsys.readouterr().err and not (tmp_path / "bad").exists()
 
 
 # --- row shards of layers across ranks (PruneOptions.row_shards) ---

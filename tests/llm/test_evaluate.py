@@ -83,6 +83,28 @@ def test_zero_shot_on_local_task(monkeypatch, tiny_lm, tiny_tokenizer, local_tas
     assert scores["sparseswaps_tiny_mc"] * 6 == pytest.approx(round(scores["sparseswaps_tiny_mc"] * 6))
 
 
+def test_zero_shot_indexes_lm_evals_tasks_only_when_the_users_need_them(
+    monkeypatch, tiny_lm, tiny_tokenizer, local_task_dir
+):
+    import lm_eval
+
+    managers = []
+
+    def simple_evaluate(*, task_manager, tasks, **kwargs):  # as if the local task named one of lm-eval's own tasks
+        managers.append(task_manager)
+        if "arc_easy" not in task_manager.all_tasks:
+            raise KeyError("arc_easy")
+        return {"results": {tasks[0]: {"acc,none": 0.5}}}
+
+    monkeypatch.setattr(lm_eval, "simple_evaluate", simple_evaluate)
+    assert zero_shot(tiny_lm, tiny_tokenizer, ["sparseswaps_tiny_mc"], include_path=str(local_task_dir)) == {
+        "sparseswaps_tiny_mc": 0.5
+    }
+    first, second = (set(manager.all_tasks) for manager in managers)
+    assert first == {"sparseswaps_tiny_mc"}  # the user's task alone: lm-eval's index not built
+    assert "sparseswaps_tiny_mc" in second and "arc_easy" in second  # built when loading needed it
+
+
 def test_zero_shot_rejects_unknown_task(tiny_lm, tiny_tokenizer, local_task_dir):
     with pytest.raises(ValueError, match=r"no_such_task.*include_path"):
         zero_shot(tiny_lm, tiny_tokenizer, ["no_such_task"], include_path=str(local_task_dir))
