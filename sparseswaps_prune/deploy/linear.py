@@ -39,8 +39,9 @@ BACKENDS = ("cpu", "semi-structured")
 DEFAULT_CROSSOVER = 8
 """Most tokens per call that :class:`SparseLinear` sends through the sparse kernel; above it, a dense matmul.
 Measured with ``benchmarks/sparse_inference.py`` (docs/deploy.md): on the 2-core test machine, one thread, float32,
-4096 x 14336 and 14336 x 4096 layers at 50-70% sparsity, the kernel took 0.76-1.38x torch's dense ``nn.Linear``
-speed at 1 token, 1.4-3.8x at 2 to 8 tokens, and 0.7-1.5x at 16 (slower in 2 of the 6 cases)."""
+4096 x 14336 and 14336 x 4096 layers at 50-70% sparsity, the kernel ran at 1.0-1.7x torch's dense ``nn.Linear``
+speed at 1 token, 1.8-5.3x at 2 to 8 tokens, and 1.0-2.1x at 16 (never slower); 8 keeps a margin for cores where
+the dense matmul is relatively faster."""
 
 _VALUE_DTYPES = (torch.float32, torch.bfloat16)
 
