@@ -187,11 +187,14 @@ def zero_shot(
 
     # The user's own tasks (include_path, YAML files) are indexed alone: lm-eval's index of its thousands of tasks
     # takes 10-20 s to build; it is built when a task is not the user's, or a user's task needs lm-eval's.
+    def unknown_to(manager: TaskManager) -> list[str]:
+        return [t for t in tasks if t not in manager.all_tasks and not _is_task_file(t)]
+
     manager = TaskManager(include_path=include_path, include_defaults=False)
-    own_tasks = all(t in manager.all_tasks or _is_task_file(t) for t in tasks)
+    own_tasks = not unknown_to(manager)
     if not own_tasks:
         manager = TaskManager(include_path=include_path)
-    unknown = [t for t in tasks if t not in manager.all_tasks and not _is_task_file(t)]
+    unknown = unknown_to(manager)
     if unknown:
         raise ValueError(
             f"Unknown lm-eval task(s) {unknown}. To evaluate a local task, write a YAML task config "

@@ -15,6 +15,7 @@ vocabulary of :data:`TINY_VOCAB_SIZE` = 49152 ids, sized to fit :func:`default_t
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -127,7 +128,7 @@ def load_model(
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise TypeError(f"dtype must be a floating torch.dtype such as torch.float32, got {dtype!r}.")
     require("llm", "transformers")
-    from transformers import GgufConfig
+    from transformers import AutoModelForCausalLM, GgufConfig
 
     source, gguf = resolve_source(name_or_path, gguf_file)
     kwargs: dict[str, Any] = {"dtype": dtype}
@@ -136,41 +137,30 @@ def load_model(
         kwargs["gguf_file"] = gguf
         kwargs["quantization_config"] = GgufConfig(dequantize=True)
     logger.info("Loading model from %s%s with dtype %s", source, f" (GGUF {gguf})" if gguf else "", dtype)
-    if gguf is None and _is_sparse_dir(source):
-        from sparseswaps_prune.deploy import load_sparse
+    # a GGUF: config, weights and tokenizer from one parse of the file
+    with gguf_parsed_once() if gguf is not None else contextlib.nullcontext():
+        if gguf is None and _is_sparse_dir(source):
+            from sparseswaps_prune.deploy import load_sparse
 
-        model = load_sparse(source, dtype=dtype)  # checks every tensor; the dense save's model, bit for bit
+            model = load_sparse(source, dtype=dtype)  # checks every tensor; the dense save's model, bit for bit
+        else:
+            reader = _checked_safetensors(source) if gguf is None else None
+            try:
+                model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+            except Exception as err:
+                if not _is_load_error(err):
+                    raise
+                raise ValueError(
+                    f"cannot load the weights of {source} ({type(err).__name__}: {' '.join(str(err).split())[:300]}); "
+                    "re-download or re-save the model"
+                ) from err
+            if reader is not None:
+                _check_stored_dtypes(model, reader)
         tokenizer = load_tokenizer(source, gguf)
-    elif gguf is None:
-        reader = _checked_safetensors(source)
-        model = _from_pretrained(source, kwargs)
-        if reader is not None:
-            _check_stored_dtypes(model, reader)
-        tokenizer = load_tokenizer(source, gguf)
-    else:
-        with gguf_parsed_once():  # config, weights and tokenizer from one parse of the file
-            model = _from_pretrained(source, kwargs)
-            tokenizer = load_tokenizer(source, gguf)
     model.to(device)
     model.eval()
     model.config.use_cache = False
     return model, tokenizer
-
-
-def _from_pretrained(source: str, kwargs: dict[str, Any]) -> PreTrainedModel:
-    """``AutoModelForCausalLM.from_pretrained(source, **kwargs)``; a damaged weights file raises ``ValueError``
-    naming ``source`` and the fix."""
-    from transformers import AutoModelForCausalLM
-
-    try:
-        return AutoModelForCausalLM.from_pretrained(source, **kwargs)
-    except Exception as err:
-        if not _is_load_error(err):
-            raise
-        raise ValueError(
-            f"cannot load the weights of {source} ({type(err).__name__}: {' '.join(str(err).split())[:300]}); "
-            "re-download or re-save the model"
-        ) from err
 
 
 def _is_sparse_dir(source: str) -> bool:

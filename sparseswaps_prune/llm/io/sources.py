@@ -146,9 +146,9 @@ def gguf_parsed_once() -> Iterator[None]:
     for the config, once for the weights and once for the tokenizer, and rebuilds ``gguf.get_tensor_name_map`` for
     every submodule of the model (hundreds of times for SmolLM2). Both are pure functions of their arguments and
     the file, so inside this block ``gguf.GGUFReader`` returns the reader already made for the same path and mode,
-    and the name map is memoized: the same tensors and tokenizer, with about a quarter less time to load the
-    default model. Nothing is kept after the block (a file changed afterwards is parsed afresh). Not thread-safe
-    (it sets two attributes of the ``gguf`` module for the block's duration).
+    and the name map is memoized: the same tensors and tokenizer, in half the time for the default model
+    (``benchmarks/load_time.py``). Nothing is kept after the block (a file changed afterwards is parsed afresh).
+    Not thread-safe (it sets two attributes of the ``gguf`` module for the block's duration).
     """
     require("llm", "gguf")
     import gguf
