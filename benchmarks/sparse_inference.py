@@ -48,6 +48,7 @@ from sparseswaps_prune.deploy import SparseLinear, load_sparse, save_sparse, spa
 from sparseswaps_prune.deploy.bench import (
     decode_speeds,
     dir_bytes,
+    greedy_kwargs,
     machine_line,
     resident_memory,
     size_bound,
@@ -199,6 +200,37 @@ def prune_model_(model: nn.Module, sparsity: float) -> int:
     return count
 
 
+def decode_breakdown(model: nn.Module, ids: torch.Tensor, new_tokens: int) -> dict[str, float]:
+    """Milliseconds per generated token of one more greedy ``generate`` call, split into the decoder blocks'
+    linears (the layers that are pruned, dense or sparse), the output layer (``lm_head``, dense in both) and the
+    rest (attention over the cache, norms, embedding, ``generate``'s own work), timed with forward hooks (which add
+    their own small cost to the linears' share)."""
+    spent = {"linears": 0.0, "lm_head": 0.0}
+    output = model.get_output_embeddings()
+    handles = []
+    for module in model.modules():
+        if module is output or isinstance(module, (nn.Linear, SparseLinear)):
+            key = "lm_head" if module is output else "linears"
+            starts: list[float] = []
+            handles.append(module.register_forward_pre_hook(lambda *_, s=starts: s.append(time.perf_counter())))
+            handles.append(
+                module.register_forward_hook(
+                    lambda *_, s=starts, k=key: spent.__setitem__(k, spent[k] + time.perf_counter() - s.pop())
+                )
+            )
+    try:
+        with torch.inference_mode():
+            start = time.perf_counter()
+            model.generate(ids, **greedy_kwargs(model, new_tokens))
+            total = time.perf_counter() - start
+    finally:
+        for handle in handles:
+            handle.remove()
+    ms = {key: 1000 * value / new_tokens for key, value in spent.items()}
+    ms["other"] = 1000 * total / new_tokens - ms["linears"] - ms["lm_head"]
+    return ms
+
+
 def model_sections(quick: bool, config: dict, repeats: int) -> None:
     """Sections (b), (c), (d) on the default (or tiny) model."""
     start = time.perf_counter()
@@ -247,7 +279,13 @@ def model_sections(quick: bool, config: dict, repeats: int) -> None:
                 )
                 (dense_tps, dense_ids), (sparse_tps, sparse_ids) = speeds["dense"], speeds["sparse"]
                 same = bool(torch.equal(dense_ids, sparse_ids))
-                decode_rows.append((sparsity, threads, pruned, len(report.converted), dense_tps, sparse_tps, same))
+                split = {
+                    name: decode_breakdown(model, ids, config["new_tokens"])
+                    for name, model in (("dense", dense_model), ("sparse", sparse_model))
+                }
+                decode_rows.append(
+                    (sparsity, threads, pruned, len(report.converted), dense_tps, sparse_tps, same, split)
+                )
             del dense_model, sparse_model
     print(
         f"\n(b) greedy decoding, {config['new_tokens']} new tokens after {ids.shape[1]} prompt tokens, float32, "
@@ -257,10 +295,26 @@ def model_sections(quick: bool, config: dict, repeats: int) -> None:
         f"{'sparsity':>8} {'threads':>7} {'layers':>6} {'dense tok/s':>11} {'sparse tok/s':>12} {'speedup':>7} "
         f"{'same tokens':>11}"
     )
-    for sparsity, threads, _pruned, converted, dense_tps, sparse_tps, same in decode_rows:
+    for sparsity, threads, _pruned, converted, dense_tps, sparse_tps, same, _split in decode_rows:
         print(
             f"{sparsity:>8.0%} {threads:>7} {converted:>6} {dense_tps:>11.1f} {sparse_tps:>12.1f} "
             f"{sparse_tps / dense_tps:>7.2f} {'yes' if same else 'NO':>11}"
+        )
+    print(
+        "\n    where a token's time goes: ms per token in the blocks' linears (dense / sparse), the output layer and"
+        "\n    the rest (one more hooked run of each), and the speedup if the linears took no time at all"
+    )
+    print(
+        f"{'sparsity':>8} {'threads':>7} {'linears d':>9} {'linears s':>9} {'layer x':>7} {'lm_head d/s':>11} "
+        f"{'other d/s':>11} {'free linears x':>14}"
+    )
+    for sparsity, threads, *_, split in decode_rows:
+        d, s_ = split["dense"], split["sparse"]
+        dense_total = sum(d.values())
+        print(
+            f"{sparsity:>8.0%} {threads:>7} {d['linears']:>9.1f} {s_['linears']:>9.1f} "
+            f"{d['linears'] / s_['linears']:>7.2f} {d['lm_head']:>5.1f}/{s_['lm_head']:<5.1f} "
+            f"{d['other']:>5.1f}/{s_['other']:<5.1f} {dense_total / (dense_total - d['linears']):>14.2f}"
         )
     print(
         "\n(c) memory of the model, float32: tensor bytes, and the growth of the resident set (VmRSS) and of its"

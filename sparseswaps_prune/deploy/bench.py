@@ -33,6 +33,7 @@ __all__ = [
     "decode_speed",
     "decode_speeds",
     "dir_bytes",
+    "greedy_kwargs",
     "machine_line",
     "resident_memory",
     "size_bound",
@@ -153,11 +154,11 @@ def decode_speeds(
     ids: dict[str, torch.Tensor] = {}
     with torch.inference_mode():
         for model in models.values():
-            model.generate(input_ids, **_generate_kwargs(model, 2))
+            model.generate(input_ids, **greedy_kwargs(model, 2))
         for _ in range(max(1, repeats)):
             for name, model in models.items():
                 start = time.perf_counter()
-                ids[name] = model.generate(input_ids, **_generate_kwargs(model, new_tokens))
+                ids[name] = model.generate(input_ids, **greedy_kwargs(model, new_tokens))
                 times[name].append(time.perf_counter() - start)
     return {name: (new_tokens / statistics.median(times[name]), ids[name]) for name in models}
 
@@ -169,7 +170,8 @@ def decode_speed(
     return decode_speeds({"model": model}, input_ids, new_tokens, repeats)["model"]
 
 
-def _generate_kwargs(model: nn.Module, new_tokens: int) -> dict[str, Any]:
+def greedy_kwargs(model: nn.Module, new_tokens: int) -> dict[str, Any]:
+    """``generate`` options for exactly ``new_tokens`` greedy tokens with the KV cache (what the speeds time)."""
     config = model.config
     return {
         "max_new_tokens": new_tokens,

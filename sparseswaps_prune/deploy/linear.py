@@ -286,37 +286,64 @@ class SparseLinear(nn.Module):
                 "SparseLinear is inference-only (no gradients); run the model under torch.no_grad() or "
                 "torch.inference_mode()"
             )
-        bitmask, row_ptr, values = self.bitmask, self.row_ptr, self.values
-        if x.device.type != "cpu" or values.device.type != "cpu":
-            raise RuntimeError(
-                f"SparseLinear runs on the CPU (input on {x.device}, weights on {values.device}); for CUDA use "
-                "sparsify(model, backend='semi-structured') on a 2:4 model"
-            )
         if x.shape[-1] != self.in_features:
             raise ValueError(f"input has {x.shape[-1]} features on its last axis, expected {self.in_features}")
-        lead = x.shape[:-1]
+        if not x.is_cpu:
+            raise RuntimeError(
+                f"SparseLinear runs on the CPU (input on {x.device}); for CUDA use "
+                "sparsify(model, backend='semi-structured') on a 2:4 model"
+            )
+        # The hot path (decoding calls it once per layer and token): module attributes are read from the module's
+        # dicts directly, and the numpy views of the buffers are built once (again when a buffer or the kernel is
+        # replaced, e.g. by load_state_dict or .to()), which also checks them.
+        buffers = self._buffers
+        arrays = self._arrays
+        if (
+            arrays is None
+            or arrays[0] is not buffers["values"]
+            or arrays[1] is not buffers["bitmask"]
+            or arrays[2] is not buffers["row_ptr"]
+            or arrays[3] != self.kernel
+        ):
+            arrays = self._kernel_arrays()
         x2 = x.reshape(-1, self.in_features)
         if x2.shape[0] > self.crossover:
             dense = self.dense_weight if self.dense_weight is not None else self.weight_2d()
             bias = None if self.bias is None else self.bias.to(dense.dtype)
-            return F.linear(x2.to(dense.dtype), dense, bias).to(x.dtype).reshape(*lead, self.out_features)
-        arrays = self._arrays
-        if arrays is None or arrays[0] is not values or arrays[1] is not bitmask or arrays[2] is not row_ptr:
-            if values.dtype not in _VALUE_DTYPES:
-                raise ValueError(f"SparseLinear values are {values.dtype}; only float32 and bfloat16 are supported")
-            kernel = self.kernel or kernels.default_kernel()
-            arrays = (values, bitmask, row_ptr, kernel, bitmask.numpy(), row_ptr.numpy(), _numpy_values(values))
-            self._arrays = arrays
+            return F.linear(x2.to(dense.dtype), dense, bias).to(x.dtype).reshape(*x.shape[:-1], self.out_features)
         threads = torch.get_num_threads()
         if threads > 1:
             threads = min(threads, numba.config.NUMBA_NUM_THREADS)
             if numba.get_num_threads() != threads:
                 numba.set_num_threads(threads)
-        xs = kernels.pad_inputs(x2.detach().to(torch.float32).numpy(), arrays[4].shape[1])
-        y = torch.from_numpy(kernels.run_spmm(arrays[3], threads, arrays[4], arrays[5], arrays[6], xs))
-        if self.bias is not None:
-            y += self.bias.detach().to(torch.float32)
-        return y.to(x.dtype).reshape(*lead, self.out_features)
+        xs = x2.detach() if x2.requires_grad else x2
+        if xs.dtype != torch.float32:
+            xs = xs.to(torch.float32)
+        xs = kernels.pad_inputs(xs.numpy(), arrays[5].shape[1])
+        y = torch.from_numpy(kernels.run_spmm(arrays[4], threads, arrays[5], arrays[6], arrays[7], xs))
+        bias = self._parameters.get("bias")  # None: the module has no bias
+        if bias is not None:
+            y += bias.detach()
+        if x.dtype != torch.float32:
+            y = y.to(x.dtype)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def _kernel_arrays(self) -> tuple[Any, ...]:
+        """Check the buffers for the sparse kernel and cache ``(values, bitmask, row_ptr, self.kernel, kernel,
+        bitmask, row_ptr and values as numpy arrays)`` in ``self._arrays``."""
+        bitmask, row_ptr, values = self.bitmask, self.row_ptr, self.values
+        if values.device.type != "cpu":
+            raise RuntimeError(
+                f"SparseLinear runs on the CPU (weights on {values.device}); for CUDA use "
+                "sparsify(model, backend='semi-structured') on a 2:4 model"
+            )
+        if values.dtype not in _VALUE_DTYPES:
+            raise ValueError(f"SparseLinear values are {values.dtype}; only float32 and bfloat16 are supported")
+        kernel = self.kernel or kernels.default_kernel()
+        arrays = (values, bitmask, row_ptr, self.kernel, kernel)
+        arrays += (bitmask.numpy(), row_ptr.numpy(), _numpy_values(values))
+        self._arrays = arrays
+        return arrays
 
     def to_linear(self) -> nn.Linear:
         """A dense ``nn.Linear`` with the same weight and bias (for a ``Conv1D`` original: the transposed weight)."""

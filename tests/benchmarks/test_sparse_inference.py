@@ -15,7 +15,11 @@ def test_quick_run_prints_every_section(benchmark_script, capsys):
     assert layer[0][6] != "-" and layer[1][6:8] == ["-", "-"]  # torch CSR timed at batch 1 only in --quick
     assert all(float(row[-1]) < 1e-5 for row in layer)  # relative error of the kernel
     decode = out.split("(b) greedy decoding")[1].split("(c)")[0]
-    assert decode.strip().splitlines()[-1].split()[-1] == "yes"  # same tokens dense and sparse
+    table, split = decode.split("where a token's time goes")
+    assert table.strip().splitlines()[-1].split()[-1] == "yes"  # same tokens dense and sparse
+    row = split.strip().splitlines()[-1].split()
+    assert row[:2] == ["60%", "1"] and float(row[2]) > 0 and float(row[3]) > 0
+    assert float(row[-1]) > 1.0  # the speedup with free linears is a bound above 1
     disk = out.split("(d) checkpoint size")[1].splitlines()
     rows = [line.split() for line in disk if line.strip().startswith("60%")]
     assert [row[1] for row in rows] == ["float32", "bfloat16"]
@@ -48,3 +52,16 @@ def test_magnitude_pruning_helper(benchmark_script):
     weight = torch.tensor([[1.0, -4.0, 0.5, 3.0, -2.0], [5.0, 1.0, -1.5, 0.1, 2.0]])
     script.magnitude_prune_(weight, 0.6)
     assert weight.tolist() == [[0.0, -4.0, 0.0, 3.0, 0.0], [5.0, 0.0, 0.0, 0.0, 2.0]]
+
+
+def test_decode_breakdown_splits_a_token_and_removes_its_hooks(benchmark_script):
+    import torch
+
+    from sparseswaps_prune.llm.models import tiny_model
+
+    script = benchmark_script("sparse_inference")
+    model = tiny_model("llama", seed=0)
+    ms = script.decode_breakdown(model, torch.tensor([[1, 5, 7, 9]]), 4)
+    assert set(ms) == {"linears", "lm_head", "other"}
+    assert ms["linears"] > 0 and ms["lm_head"] > 0 and ms["other"] > 0
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())

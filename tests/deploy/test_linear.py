@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from sparseswaps_prune.deploy import SparseLinear, load_sparse, save_sparse, sparsify
+from sparseswaps_prune.deploy import SparseLinear, kernels, load_sparse, save_sparse, sparsify
 from sparseswaps_prune.deploy.checkpoint import read_sparse_state_dict
 from sparseswaps_prune.llm.models import TINY_ARCHS
 from tests.deploy.conftest import assert_bit_equal, bits, prune_model
@@ -79,6 +79,27 @@ def test_errors_name_the_problem():
         SparseLinear(sparse.bitmask, sparse.row_ptr + 1, sparse.values, 8)
     with pytest.raises(ValueError, match="crossover"):
         SparseLinear.from_linear(pruned_linear(8, 4), crossover=-1)
+
+
+def test_forward_follows_replaced_buffers_and_kernel():
+    """The kernel's cached views of the buffers are rebuilt when a buffer, the kernel or the device changes."""
+    x = torch.randn(3, 40)
+    first, second = pruned_linear(40, 24, seed=0), pruned_linear(40, 24, seed=1)
+    sparse = SparseLinear.from_linear(first, kernel="portable")
+    with torch.inference_mode():
+        before = sparse(x)
+        assert torch.allclose(before, first(x), atol=1e-5)
+        sparse.load_state_dict(second.state_dict())
+        after = sparse(x)
+        assert torch.allclose(after, second(x), atol=1e-5) and not torch.allclose(after, before)
+        sparse.kernel = kernels.default_kernel()
+        assert sparse(x).shape == (3, 24) and sparse._arrays[4] == kernels.default_kernel()
+        half = SparseLinear.from_linear(first).half()
+        with pytest.raises(ValueError, match="only float32 and bfloat16"):
+            half(x)
+        on_meta = SparseLinear.from_linear(first).to("meta")
+        with pytest.raises(RuntimeError, match="weights on meta"):
+            on_meta(x)
 
 
 @pytest.mark.parametrize("arch", TINY_ARCHS)
