@@ -77,8 +77,8 @@ RECIPES: dict[str, Recipe] = {
     "sparseswaps-alps": Recipe(
         PruneSpec(start=ALPSStart()),
         0,
-        "SparseSwaps, masks only, from ALPS's mask (its weights discarded): the lowest masks-only loss measured, "
-        "about 1.6-2.8x sparseswaps' time; tensors not yet pruned",
+        "SparseSwaps, masks only, from ALPS's mask (its weights discarded): lower layer loss than sparseswaps, "
+        "at 1.6-2.8x its time; tensors not yet pruned",
     ),
     "sparseswaps-refit": Recipe(
         PruneSpec(refine=SwapRefine(max_iters=10), weights=LeastSquares()),
