@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numba
 import numpy as np
@@ -51,6 +51,21 @@ def _numpy_values(values: torch.Tensor) -> np.ndarray:
     if values.dtype == torch.bfloat16:
         return values.view(torch.int16).numpy().view(np.uint16)
     return values.numpy()
+
+
+class _KernelArrays(NamedTuple):
+    """What :class:`SparseLinear`'s sparse path needs, cached: the buffers it was built from (to notice a
+    replaced one), the ``kernel`` attribute it was built for and the kernel it resolved to, and numpy views of the
+    buffers."""
+
+    values: torch.Tensor
+    bitmask: torch.Tensor
+    row_ptr: torch.Tensor
+    kernel_option: str | None
+    kernel: str
+    bitmask_np: np.ndarray
+    row_ptr_np: np.ndarray
+    values_np: np.ndarray
 
 
 class SparseLinear(nn.Module):
@@ -132,7 +147,7 @@ class SparseLinear(nn.Module):
         self.register_buffer("values", values.contiguous(), persistent=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
         self.register_buffer("dense_weight", self.weight_2d() if keep_dense else None, persistent=False)
-        self._arrays: tuple[Any, ...] | None = None  # numpy views of the buffers, rebuilt when a buffer is replaced
+        self._arrays: _KernelArrays | None = None  # rebuilt when a buffer or the kernel is replaced
 
     @classmethod
     def from_dense(
@@ -300,10 +315,10 @@ class SparseLinear(nn.Module):
         arrays = self._arrays
         if (
             arrays is None
-            or arrays[0] is not buffers["values"]
-            or arrays[1] is not buffers["bitmask"]
-            or arrays[2] is not buffers["row_ptr"]
-            or arrays[3] != self.kernel
+            or arrays.values is not buffers["values"]
+            or arrays.bitmask is not buffers["bitmask"]
+            or arrays.row_ptr is not buffers["row_ptr"]
+            or arrays.kernel_option != self.kernel
         ):
             arrays = self._kernel_arrays()
         x2 = x.reshape(-1, self.in_features)
@@ -319,8 +334,10 @@ class SparseLinear(nn.Module):
         xs = x2.detach() if x2.requires_grad else x2
         if xs.dtype != torch.float32:
             xs = xs.to(torch.float32)
-        xs = kernels.pad_inputs(xs.numpy(), arrays[5].shape[1])
-        y = torch.from_numpy(kernels.run_spmm(arrays[4], threads, arrays[5], arrays[6], arrays[7], xs))
+        xs = kernels.pad_inputs(xs.numpy(), arrays.bitmask_np.shape[1])
+        y = torch.from_numpy(
+            kernels.run_spmm(arrays.kernel, threads, arrays.bitmask_np, arrays.row_ptr_np, arrays.values_np, xs)
+        )
         bias = self._parameters.get("bias")  # None: the module has no bias
         if bias is not None:
             y += bias.detach()
@@ -328,9 +345,8 @@ class SparseLinear(nn.Module):
             y = y.to(x.dtype)
         return y.reshape(*x.shape[:-1], self.out_features)
 
-    def _kernel_arrays(self) -> tuple[Any, ...]:
-        """Check the buffers for the sparse kernel and cache ``(values, bitmask, row_ptr, self.kernel, kernel,
-        bitmask, row_ptr and values as numpy arrays)`` in ``self._arrays``."""
+    def _kernel_arrays(self) -> _KernelArrays:
+        """Check the buffers for the sparse kernel and cache what it needs in ``self._arrays``."""
         bitmask, row_ptr, values = self.bitmask, self.row_ptr, self.values
         if values.device.type != "cpu":
             raise RuntimeError(
@@ -340,8 +356,9 @@ class SparseLinear(nn.Module):
         if values.dtype not in _VALUE_DTYPES:
             raise ValueError(f"SparseLinear values are {values.dtype}; only float32 and bfloat16 are supported")
         kernel = self.kernel or kernels.default_kernel()
-        arrays = (values, bitmask, row_ptr, self.kernel, kernel)
-        arrays += (bitmask.numpy(), row_ptr.numpy(), _numpy_values(values))
+        arrays = _KernelArrays(
+            values, bitmask, row_ptr, self.kernel, kernel, bitmask.numpy(), row_ptr.numpy(), _numpy_values(values)
+        )
         self._arrays = arrays
         return arrays
 

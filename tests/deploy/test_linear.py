@@ -93,7 +93,7 @@ def test_forward_follows_replaced_buffers_and_kernel():
         after = sparse(x)
         assert torch.allclose(after, second(x), atol=1e-5) and not torch.allclose(after, before)
         sparse.kernel = kernels.default_kernel()
-        assert sparse(x).shape == (3, 24) and sparse._arrays[4] == kernels.default_kernel()
+        assert sparse(x).shape == (3, 24) and sparse._arrays.kernel == kernels.default_kernel()
         half = SparseLinear.from_linear(first).half()
         with pytest.raises(ValueError, match="only float32 and bfloat16"):
             half(x)
