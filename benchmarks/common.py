@@ -8,8 +8,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import importlib.util
+import statistics
+import sys
 import time
 from collections.abc import Callable
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -358,3 +362,29 @@ def options_label(options: PruneOptions) -> str:
     if options.sparsity_profile == "uniform":
         return text
     return f"{text}, {options.sparsity_profile} M={options.owl_m:g} lambda={options.owl_lambda:g}"
+
+
+def import_file(path: str, name: str) -> ModuleType:
+    """The Python file ``path`` imported as a module called ``name`` (registered in ``sys.modules``, where numba's
+    cache and dataclasses look their module up), e.g. another version of a package module for an A/B timing."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise SystemExit(f"--baseline {path!r} is not a Python file")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def median_seconds(fns: list[Callable[[], object]], repeats: int) -> list[float]:
+    """Median wall time of ``repeats`` calls of each of ``fns`` after one warm-up call each; the calls are
+    interleaved (``f0, f1, f2, f0, ...``) so that a change in the machine's load hits them alike."""
+    times: list[list[float]] = [[] for _ in fns]
+    for fn in fns:
+        fn()
+    for _ in range(repeats):
+        for fn, spent in zip(fns, times, strict=True):
+            start = time.perf_counter()
+            fn()
+            spent.append(time.perf_counter() - start)
+    return [statistics.median(spent) for spent in times]

@@ -33,15 +33,14 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "passive")  # before torch and numba start their thread pools
 
 import argparse
-import statistics
 import tempfile
 import time
 import warnings
-from collections.abc import Callable
 from pathlib import Path
 
 import numba
 import torch
+from common import median_seconds
 from torch import nn
 
 from sparseswaps_prune.deploy import SparseLinear, load_sparse, save_sparse, sparsify
@@ -100,20 +99,6 @@ def bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.dtype != b.dtype or a.shape != b.shape:
         return False
     return torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
-
-
-def median_seconds(fns: list[Callable[[], object]], repeats: int) -> list[float]:
-    """Median wall time of ``repeats`` calls of each of ``fns`` after one warm-up call each; the calls are
-    interleaved (``f0, f1, f2, f0, ...``) so that a change in the machine's load hits them alike."""
-    times: list[list[float]] = [[] for _ in fns]
-    for fn in fns:
-        fn()
-    for _ in range(repeats):
-        for fn, spent in zip(fns, times, strict=True):
-            start = time.perf_counter()
-            fn()
-            spent.append(time.perf_counter() - start)
-    return [statistics.median(spent) for spent in times]
 
 
 def layer_table(shapes, sparsities, batches, repeats: int, csr_batches) -> list[dict]:

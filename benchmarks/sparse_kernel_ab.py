@@ -20,9 +20,7 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "passive")  # before torch and numba start their thread pools
 
 import argparse
-import importlib.util
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -31,6 +29,7 @@ from types import ModuleType
 import numba
 import numpy as np
 import torch
+from common import import_file
 from torch import nn
 
 from sparseswaps_prune.deploy import kernels
@@ -43,14 +42,7 @@ QUICK = {"shapes": [(64, 300)], "sparsities": [0.7], "batches": [1, 3], "repeats
 
 def load_kernels(path: str) -> ModuleType:
     """The kernels module in file ``path``, imported under a name of its own (``kernels_<stem>``)."""
-    name = f"kernels_{Path(path).stem}"
-    spec = importlib.util.spec_from_file_location(name, path)
-    if spec is None or spec.loader is None:
-        raise SystemExit(f"--baseline {path!r} is not a Python file")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # numba's cache finds its functions by module name
-    spec.loader.exec_module(module)
-    return module
+    return import_file(path, f"kernels_{Path(path).stem}")
 
 
 def random_sparse(d_out: int, d_in: int, sparsity: float, gen: torch.Generator) -> torch.Tensor:

@@ -22,16 +22,13 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "passive")  # before torch and numba start their thread pools
 
 import argparse
-import importlib.util
-import statistics
-import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
 import numba
 import torch
+from common import import_file, median_seconds
 from torch import nn
 
 from sparseswaps_prune.deploy import kernels
@@ -45,28 +42,13 @@ SPARSITY = 0.6
 
 def load_linear(path: str) -> ModuleType:
     """The ``linear`` module in file ``path``, imported under a name of its own (``linear_<stem>``)."""
-    name = f"linear_{Path(path).stem}"
-    spec = importlib.util.spec_from_file_location(name, path)
-    if spec is None or spec.loader is None:
-        raise SystemExit(f"--baseline {path!r} is not a Python file")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses and numba look their module up by name
-    spec.loader.exec_module(module)
-    return module
+    return import_file(path, f"linear_{Path(path).stem}")
 
 
 def loop_medians(fns: list[Callable[[], object]], calls: int, repeats: int) -> list[float]:
     """Median seconds per call of each of ``fns``, timed as loops of ``calls`` calls, the loops interleaved."""
-    times: list[list[float]] = [[] for _ in fns]
-    for fn in fns:
-        fn()
-    for _ in range(repeats):
-        for fn, spent in zip(fns, times, strict=True):
-            start = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            spent.append((time.perf_counter() - start) / calls)
-    return [statistics.median(spent) for spent in times]
+    loops = [lambda fn=fn: [fn() for _ in range(calls)] for fn in fns]
+    return [seconds / calls for seconds in median_seconds(loops, repeats)]
 
 
 def run(setting: dict, baselines: list[str]) -> None:
