@@ -334,7 +334,7 @@ def _changed(stage: Any, skip: tuple[str, ...] = ()) -> str:
 def label(spec: PruneSpec) -> str:
     """The stages of ``spec`` (its budget aside), e.g. ``admm/layer -> none -> start weights`` or
     ``wanda -> sparseswaps T=25 -> ls (guarded)``; every stage option off its default is named."""
-    start = spec.start.name + ("/layer" if spec.budget.scope == "layer" else "") + _changed(spec.start)
+    start = spec.start.name + ("/layer" if spec.budget.scope == "layer" else "") + _changed(spec.start, ("score",))
     refine = spec.refine
     if isinstance(refine, SwapRefine):
         text = f"sparseswaps T={refine.max_iters}" + (" (refit objective)" if refine.objective == "refit" else "")

@@ -20,7 +20,7 @@ from sparseswaps_prune.core.losses import weight_losses
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sparsity", type=float, default=0.6)
-    parser.add_argument("--start", default="wanda", choices=["magnitude", "wanda", "ria"])
+    parser.add_argument("--start", default="ria", choices=["magnitude", "wanda", "ria"])
     parser.add_argument("--max-iters", type=int, default=50)
     parser.add_argument("--samples", type=int, default=512, help="calibration inputs")
     parser.add_argument("--width", type=int, default=64)

@@ -30,6 +30,7 @@ from sparseswaps_prune.core.spec import (
     NoRefine,
     OBSUpdate,
     PruneSpec,
+    ScoreStart,
     SparseGPTStart,
     StartWeights,
     SwapRefine,
@@ -62,6 +63,7 @@ class Recipe:
 _LAYER = Budget(sparsity=0.6, scope="layer")
 _ALPS = PruneSpec(budget=_LAYER, start=ALPSStart(), refine=NoRefine(), weights=StartWeights())
 """ALPS as published: its layer-wise mask and its own weights (``alps``; ``best`` adds block tuning)."""
+_WANDA = ScoreStart("wanda")
 
 RECIPES: dict[str, Recipe] = {
     "best": Recipe(
@@ -72,7 +74,7 @@ RECIPES: dict[str, Recipe] = {
     "sparseswaps": Recipe(
         SPARSESWAPS_SPEC,
         0,
-        "SparseSwaps, masks only: Wanda, 25 exact 1-swap iterations per row, the weights kept",
+        "SparseSwaps, masks only: RIA's mask, 25 exact 1-swap iterations per row, the weights kept",
     ),
     "sparseswaps-alps": Recipe(
         PruneSpec(start=ALPSStart()),
@@ -81,7 +83,7 @@ RECIPES: dict[str, Recipe] = {
         "at 1.6-2.8x its time; tensors not yet pruned",
     ),
     "sparseswaps-refit": Recipe(
-        PruneSpec(refine=SwapRefine(max_iters=10), weights=LeastSquares()),
+        PruneSpec(start=_WANDA, refine=SwapRefine(max_iters=10), weights=LeastSquares()),
         BLOCK_TUNE_EPOCHS,
         "Wanda, SparseSwaps T=10, least-squares re-fit on G + 0.1 diag(G), then block tuning",
     ),
@@ -96,11 +98,11 @@ RECIPES: dict[str, Recipe] = {
         "ALPS, then swaps within rows under the re-fit objective, then that re-fit and block tuning (slow)",
     ),
     "paper": Recipe(
-        PruneSpec(refine=SwapRefine(max_iters=100), weights=KeepWeights()),
+        PruneSpec(start=_WANDA, refine=SwapRefine(max_iters=100), weights=KeepWeights()),
         0,
         "SparseSwaps as the paper's main runs: Wanda, T=100, masks only",
     ),
-    "wanda": Recipe(PruneSpec(refine=NoRefine(), weights=KeepWeights()), 0, "Wanda as published"),
+    "wanda": Recipe(PruneSpec(start=_WANDA, refine=NoRefine(), weights=KeepWeights()), 0, "Wanda as published"),
     "sparsegpt": Recipe(
         PruneSpec(budget=_LAYER, start=SparseGPTStart(), refine=NoRefine(), weights=OBSUpdate()),
         0,

@@ -1,4 +1,4 @@
-"""The namesake entry points run SparseSwaps with no spec: a Wanda warmstart, then exact 1-swaps, masks only.
+"""The namesake entry points run SparseSwaps with no spec: RIA's mask as the warmstart, then exact 1-swaps, masks only.
 
 The call forms are those a user writes from the package's names (issue 46); each must swap (``n_swaps > 0``), end
 below the warmstart's loss, leave ``weight_orig`` equal to the original parameter, and ``prune.remove`` must give
@@ -29,7 +29,7 @@ from sparseswaps_prune.core.warmstart import importance_scores
 
 
 def problem(d_out: int = 12, d_in: int = 24, seed: int = 0) -> tuple[nn.Linear, torch.Tensor]:
-    """A linear layer and the Gram of correlated inputs (so Wanda's mask is far from the best one)."""
+    """A linear layer and the Gram of correlated inputs (so a score mask is far from the best one)."""
     generator = torch.Generator().manual_seed(seed)
     layer = nn.Linear(d_in, d_out)
     with torch.no_grad():
@@ -39,8 +39,8 @@ def problem(d_out: int = 12, d_in: int = 24, seed: int = 0) -> tuple[nn.Linear, 
     return layer, x.T @ x
 
 
-def wanda_loss(weight: torch.Tensor, gram: torch.Tensor, sparsity: float) -> float:
-    mask = select_mask(importance_scores(weight, "wanda", gram), sparsity=sparsity, nm=None, scope="row")
+def score_loss(weight: torch.Tensor, gram: torch.Tensor, sparsity: float, score: str) -> float:
+    mask = select_mask(importance_scores(weight, score, gram), sparsity=sparsity, nm=None, scope="row")
     return float(row_losses(weight, gram, mask).sum())
 
 
@@ -50,7 +50,7 @@ def test_prune_layer_with_no_spec_swaps_masks_only():
     assert out.weight is None  # masks only
     assert int(out.n_swaps.sum()) > 0
     assert float(out.loss.refined.sum()) < float(out.loss.start.sum())
-    assert float(out.loss.start.sum()) == pytest.approx(wanda_loss(layer.weight.detach(), gram, 0.6))
+    assert float(out.loss.start.sum()) == pytest.approx(score_loss(layer.weight.detach(), gram, 0.6, "ria"))
     assert torch.equal(out.keep_mask.sum(dim=1), torch.full((12,), 24 - round(0.6 * 24)))
 
 
@@ -62,7 +62,7 @@ def test_sparseswaps_unstructured_with_swap_options_and_no_spec():
     mask = layer.weight_mask.bool()
     assert torch.equal(mask.sum(dim=1), torch.full((12,), 12))
     loss = float(row_losses(original, gram, mask).sum())
-    assert loss < wanda_loss(original, gram, 0.5)
+    assert loss < score_loss(original, gram, 0.5, "wanda")
     prune.remove(layer, "weight")
     assert torch.equal(layer.weight.detach(), original * mask)
 
@@ -78,7 +78,7 @@ def test_global_unstructured_with_max_iters_and_no_spec():
     for (module, _), original, gram in zip(params, originals, (gram1, gram2), strict=True):
         assert torch.equal(module.weight_orig, original)
         loss = float(row_losses(original, gram, module.weight_mask.bool()).sum())
-        assert loss < wanda_loss(original, gram, 0.6)
+        assert loss < score_loss(original, gram, 0.6, "ria")  # the default start: RIA
         prune.remove(module, "weight")
         assert torch.equal(module.weight.detach(), original * (module.weight != 0))
 
@@ -166,7 +166,8 @@ def test_the_callback_with_swap_options_and_no_spec(tmp_path):
         assert callback.stats[name].swaps > 0, name
         assert callback.stats[name].loss_refined < callback.stats[name].loss_start, name
     first = model.net[0].weight_mask.bool()
-    assert float(row_losses(dense["net.0"], gram.gram, first).sum()) < wanda_loss(dense["net.0"], gram.gram, 0.5)
+    wanda = score_loss(dense["net.0"], gram.gram, 0.5, "wanda")
+    assert float(row_losses(dense["net.0"], gram.gram, first).sum()) < wanda
 
 
 def test_an_embedding_among_the_parameters_is_refused_before_anything_changes():

@@ -18,13 +18,13 @@ The stages themselves, each doing its own work behind its role's one method, are
 A spec is validated when it is built: every stage checks its own fields, then what it needs of the other stages
 (e.g. ``SwapRefine(objective="refit")`` needs ``LeastSquares`` weights).
 
-``PruneSpec()`` is :data:`SPARSESWAPS_SPEC`, SparseSwaps masks only (Wanda start, 25 swap iterations, weights kept):
+``PruneSpec()`` is :data:`SPARSESWAPS_SPEC`, SparseSwaps masks only (RIA start, 25 swap iterations, weights kept):
 what the namesake entry points run with no spec. The named methods (the CLI's ``best`` default: ALPS's solution,
 then block tuning; the published baselines) are recipes (:mod:`sparseswaps_prune.recipes`).
 
 Example:
     >>> spec = build_spec(nm=(2, 4))                        # SparseSwaps masks only, 2:4
-    >>> spec = build_spec(max_iters=50, weights="ls")       # Wanda -> SparseSwaps T=50 -> least-squares re-fit
+    >>> spec = build_spec(max_iters=50, weights="ls")       # RIA -> SparseSwaps T=50 -> least-squares re-fit
     >>> spec = PruneSpec(budget=Budget(sparsity=0.5), start=SparseGPTStart(), refine=NoRefine(),
     ...                  weights=OBSUpdate())                  # SparseGPT as published (with scope="layer")
 """
@@ -105,7 +105,7 @@ def _by_name(value: str, option: str, table: tuple[type[Stage], ...]) -> Stage:
 @dataclass(frozen=True)
 class PruneSpec:
     """How one layer is pruned: budget, start, refine, weights (see the module docstring). With no arguments, every
-    stage's own defaults: SparseSwaps masks only, 60% per row, Wanda start, 25 exact 1-swap iterations (mask
+    stage's own defaults: SparseSwaps masks only, 60% per row, RIA start, 25 exact 1-swap iterations (mask
     objective), the kept weights as they are (:data:`SPARSESWAPS_SPEC`).
 
     Any :class:`~sparseswaps_prune.core.stages.StartStage`, :class:`~sparseswaps_prune.core.stages.RefineStage` and
@@ -199,15 +199,19 @@ class PruneSpec:
 
 
 SPARSESWAPS_SPEC = PruneSpec()
-"""SparseSwaps as the paper states it, masks only: 60% per row, Wanda's mask, then 25 iterations of exact,
-loss-decreasing 1-swaps within rows under the mask objective; the kept weights stay as they are. What the namesake
-entry points run with no spec (``prune_layer``, :class:`~sparseswaps_prune.prune.SparseSwapsMethod`,
-``sparseswaps_unstructured``, the Lightning callback) and ``PruneSpec()``: every stage's own defaults.
+"""SparseSwaps masks only: 60% per row, RIA's mask, then 25 iterations of exact, loss-decreasing 1-swaps within rows
+under the mask objective; the kept weights stay as they are. What the namesake entry points run with no spec
+(``prune_layer``, :class:`~sparseswaps_prune.prune.SparseSwapsMethod`, ``sparseswaps_unstructured``, the Lightning
+callback) and ``PruneSpec()``: every stage's own defaults.
 
-Why this start and T: from every score start the swaps end close together, Wanda's is the cheapest start that treats
-rows apart (RIA's scores need column sums), and T=25 has about 89% of the converged loss reduction on the default
-model at a quarter of T=100's time (perplexity 54.22 at T=25 against 61.66 at T=10 and 50.58 at T=100, 60% per row;
-RESULTS.md "SparseSwaps vs Wanda"), as the paper finds ("values around T=25 often suffice")."""
+Why this start: the swaps from RIA's mask end below those from Wanda's (the paper's start) in held-out perplexity on
+the default model at 60%, 70% and 2:4, on the built-in evaluation text and on stdlib-prose (RESULTS.md "Masks only,
+64 windows, on two texts": 48.95 / 82.99 against 50.51 / 84.84 at 60%), at the same cost; RIA is a score start, so
+it prunes an already pruned tensor again (iterative pruning through ``torch.nn.utils.prune``), which ALPS's mask
+(``--recipe sparseswaps-alps``) cannot. Its scores divide by column sums over all rows, so the default prunes whole
+layers where row shards were asked for (``PruneOptions.row_shards``; ``start="wanda"`` treats rows apart). Why
+T=25: about 89% of the converged loss reduction on the default model at a quarter of T=100's time (RESULTS.md
+"SparseSwaps vs Wanda"), as the paper finds ("values around T=25 often suffice")."""
 
 
 RENAMED_OPTIONS = {"warmstart": "start", "refit": "weights", "holdout_guard": "guard"}

@@ -221,12 +221,14 @@ class ScoreStart(StartStage):
     """Start mask from importance scores (``core.warmstart.importance_scores``), selected under the budget.
 
     Attributes:
-        score: ``"magnitude"`` (``|W|``), ``"wanda"`` (``|W| * ||X_j||``) or ``"ria"``.
+        score: ``"magnitude"`` (``|W|``), ``"wanda"`` (``|W| * ||X_j||``) or ``"ria"`` (the default: relative
+            importance, ``|W|`` over its row's and its column's sums, times ``||X_j|| ** 0.5``; the start of
+            :data:`~sparseswaps_prune.core.spec.SPARSESWAPS_SPEC`, which says why).
     """
 
     kind: ClassVar[str] = "score"
     names: ClassVar[tuple[str, ...]] = SCORES
-    score: str = "wanda"
+    score: str = "ria"
 
     def __post_init__(self) -> None:
         check_choice(self.score, "start score", SCORES)

@@ -34,7 +34,7 @@ def test_default_spec_is_sparseswaps_masks_only():
     weight, acc, _ = problem()
     out = prune_layer(torch.nn.Parameter(weight), acc.gram)  # a layer's weight: the outcome carries no graph
     assert not (out.loss.start.requires_grad or out.loss.final.requires_grad)
-    start = warmstart_mask(weight, "wanda", sparsity=0.6, gram=acc.gram)
+    start = warmstart_mask(weight, "ria", sparsity=0.6, gram=acc.gram)
     refined = refine_mask(weight, acc.gram, start, max_iters=25)
     assert SPARSESWAPS_SPEC.refine.max_iters == 25
     assert torch.equal(out.start_mask, start) and torch.equal(out.keep_mask, refined.mask)

@@ -29,9 +29,9 @@ ALPS = RECIPES["alps"].spec
 def test_the_default_spec_is_sparseswaps_masks_only():
     assert build_spec() == PruneSpec() == SPARSESWAPS_SPEC == RECIPES["sparseswaps"].spec
     assert SPARSESWAPS_SPEC == PruneSpec(
-        budget=Budget(sparsity=0.6), start=ScoreStart("wanda"), refine=SwapRefine(max_iters=25), weights=KeepWeights()
+        budget=Budget(sparsity=0.6), start=ScoreStart("ria"), refine=SwapRefine(max_iters=25), weights=KeepWeights()
     )
-    assert SPARSESWAPS_SPEC.describe() == "60% per row: wanda -> sparseswaps T=25 (mask) -> keep"
+    assert SPARSESWAPS_SPEC.describe() == "60% per row: ria -> sparseswaps T=25 (mask) -> keep"
     assert not SPARSESWAPS_SPEC.updates_weights
     assert build_spec(nm=(2, 4)).budget == Budget(nm=(2, 4), scope="row")
     assert SWAPS.describe() == "60% per row: wanda -> sparseswaps T=10 (mask) -> ls (diag ridge 0.1)"
@@ -41,11 +41,11 @@ def test_the_default_spec_is_sparseswaps_masks_only():
 @pytest.mark.parametrize(
     ("kwargs", "want"),
     [
-        ({"max_iters": 30}, "60% per row: wanda -> sparseswaps T=30 (mask) -> keep"),
-        ({"start": "ria", "eps": 1e-6}, "60% per row: ria -> sparseswaps T=25 (mask) -> keep"),
+        ({"max_iters": 30}, "60% per row: ria -> sparseswaps T=30 (mask) -> keep"),
+        ({"start": "wanda", "eps": 1e-6}, "60% per row: wanda -> sparseswaps T=25 (mask) -> keep"),
         (
             {"objective": "refit", "weights": "ls"},
-            "60% per row: wanda -> sparseswaps T=25 (refit) -> ls (diag ridge 0.1)",
+            "60% per row: ria -> sparseswaps T=25 (refit) -> ls (diag ridge 0.1)",
         ),
     ],
 )

@@ -157,7 +157,7 @@ def test_keep_start_and_least_squares_weights_take_what_earlier_stages_computed(
 def test_each_stage_checks_the_spec_it_is_built_into():
     with pytest.raises(ValueError, match=r"weights must be LeastSquares\(solver='direct'\)"):
         PruneSpec(refine=SwapRefine(objective="refit"), weights=LeastSquares(solver="cg"))
-    with pytest.raises(ValueError, match="start 'wanda' computes none"):
+    with pytest.raises(ValueError, match="start 'ria' computes none"):
         PruneSpec(refine=NoRefine(), weights=StartWeights())
     with pytest.raises(ValueError, match=r"the mask is refined \(sparseswaps\)"):
         PruneSpec(start=ALPSStart(), weights=StartWeights())
