@@ -9,10 +9,13 @@ import argparse
 import contextlib
 import dataclasses
 import importlib.util
+import re
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -27,9 +30,12 @@ from sparseswaps_prune.core.refit import REFIT_DAMP, damping, factor_kept
 from sparseswaps_prune.core.spec import DSnoTRefine, PruneSpec, SwapRefine, build_spec
 from sparseswaps_prune.core.warmstart import warmstart_mask
 from sparseswaps_prune.llm.block_tune import BLOCK_TUNE_LR, BLOCK_TUNE_SCHEDULE
-from sparseswaps_prune.llm.data import load_calibration
+from sparseswaps_prune.llm.data import load_calibration, load_eval_tokens
+from sparseswaps_prune.llm.experiment import Experiment
+from sparseswaps_prune.llm.job import JobConfig
 from sparseswaps_prune.llm.models import load_model
 from sparseswaps_prune.llm.pipeline import PruneOptions
+from sparseswaps_prune.llm.tasks import write_builtin_cloze_task
 from sparseswaps_prune.modules import find_blocks, find_layers, input_hooks
 from sparseswaps_prune.recipes import BLOCK_TUNE_EPOCHS, DEFAULT_RECIPE, RECIPES, recipe_name
 
@@ -362,6 +368,57 @@ def options_label(options: PruneOptions) -> str:
     if options.sparsity_profile == "uniform":
         return text
     return f"{text}, {options.sparsity_profile} M={options.owl_m:g} lambda={options.owl_lambda:g}"
+
+
+def row_path(out: Path, pattern: str, options: PruneOptions) -> Path:
+    """``--out``/``60__wanda__sparseswaps_T=25__ls_guarded.json``: the pattern and the label, file-name safe."""
+    text = options_label(options).replace(" -> ", "__").replace("/", "-")
+    name = f"{pattern.replace(':', 'of').rstrip('%')}__{text}"
+    return out / f"{re.sub(r'[^A-Za-z0-9_.=+-]+', '_', name).strip('_')}.json"
+
+
+def add_experiment_args(parser: argparse.ArgumentParser) -> None:
+    """The data options of a whole-model run on the default model (:func:`default_experiment`): ``--nsamples``
+    calibration and ``--holdout`` held-out windows of ``--seqlen`` tokens, at most ``--eval-windows`` perplexity
+    windows of each evaluation text (``--extra-eval`` beside the built-in one), ``--device``; the main job's
+    defaults (:class:`~sparseswaps_prune.llm.job.JobConfig`)."""
+    parser.add_argument("--nsamples", type=int, default=JobConfig.nsamples, help="calibration windows (the job's)")
+    parser.add_argument("--holdout", type=int, default=JobConfig.holdout, help="held-out calibration windows")
+    parser.add_argument("--seqlen", type=int, default=JobConfig.seqlen)
+    parser.add_argument("--eval-windows", type=int, default=JobConfig.eval_windows)
+    parser.add_argument(
+        "--extra-eval",
+        nargs="*",
+        default=["stdlib-prose"],
+        help="more evaluation texts (data sources) for perplexity beside the built-in one (default: stdlib-prose, "
+        "English prose calibration never touches)",
+    )
+    parser.add_argument("--device", default="cpu")
+
+
+def default_experiment(args: argparse.Namespace, cloze_items: int = 0) -> Experiment:
+    """The default model with the built-in data of ``args`` (:func:`add_experiment_args`): the first ``--nsamples``
+    of ``load_calibration("builtin", tokenizer, nsamples, seqlen, seed=0, holdout=holdout)`` as calibration windows,
+    the ``--holdout`` after them as held-out windows, ``load_eval_tokens`` of ``"builtin"`` (the evaluation part of
+    the built-in corpus) and of each ``--extra-eval`` text, and ``cloze_items`` ``builtin_cloze`` items for zero-shot
+    accuracy (0: none)."""
+    model, tokenizer = load_model()
+    windows = load_calibration("builtin", tokenizer, args.nsamples, args.seqlen, seed=0, holdout=args.holdout)
+    task_dir = tempfile.mkdtemp(prefix="sparseswaps_tasks_") if cloze_items else None
+    tasks = [write_builtin_cloze_task(task_dir, n_items=cloze_items)] if task_dir else None
+    return Experiment(
+        model,
+        tokenizer,
+        windows[: args.nsamples],
+        holdout_tokens=windows[args.nsamples :] if args.holdout else None,
+        eval_tokens=load_eval_tokens("builtin", tokenizer),
+        extra_eval_tokens={name: load_eval_tokens(name, tokenizer) for name in args.extra_eval},
+        seqlen=args.seqlen,
+        eval_windows=args.eval_windows,
+        tasks=tasks,
+        include_path=task_dir,
+        device=args.device,
+    )
 
 
 def import_file(path: str, name: str) -> ModuleType:

@@ -65,15 +65,21 @@ import argparse
 import functools
 import json
 import platform
-import re
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-from common import SETTING_BASE, options_label, parse_setting, setting_options
+from common import (
+    SETTING_BASE,
+    add_experiment_args,
+    default_experiment,
+    options_label,
+    parse_setting,
+    row_path,
+    setting_options,
+)
 
 from sparseswaps_prune.atomic import atomic_write, save_json
 from sparseswaps_prune.core.spec import (
@@ -81,12 +87,8 @@ from sparseswaps_prune.core.spec import (
     STARTS,
     WEIGHTS,
 )
-from sparseswaps_prune.llm.data import load_calibration, load_eval_tokens
 from sparseswaps_prune.llm.experiment import Experiment
-from sparseswaps_prune.llm.job import JobConfig
-from sparseswaps_prune.llm.models import load_model
 from sparseswaps_prune.llm.pipeline import PruneOptions
-from sparseswaps_prune.llm.tasks import write_builtin_cloze_task
 from sparseswaps_prune.recipes import RECIPES
 
 PRESETS: dict[str, list[str]] = {
@@ -101,13 +103,6 @@ PRESETS: dict[str, list[str]] = {
         "start=alps,refine=none",  # alps -> none -> ls
     ],
 }
-
-
-def row_path(out: Path, pattern: str, options: PruneOptions) -> Path:
-    """``--out``/``60__wanda__sparseswaps_T=25__ls_guarded.json``: the pattern and the label, file-name safe."""
-    text = options_label(options).replace(" -> ", "__").replace("/", "-")
-    name = f"{pattern.replace(':', 'of').rstrip('%')}__{text}"
-    return out / f"{re.sub(r'[^A-Za-z0-9_.=+-]+', '_', name).strip('_')}.json"
 
 
 def load_row(path: Path, options: PruneOptions | None, extra_eval: list[str]) -> dict[str, Any] | None:
@@ -173,23 +168,7 @@ def plot(rows: dict[str, list[tuple[str, float]]], dense: float, path: Path) -> 
 
 def build_experiment(args: argparse.Namespace) -> Experiment:
     """The default model with the built-in calibration, held-out, evaluation and cloze data of ``args``."""
-    model, tokenizer = load_model()
-    windows = load_calibration("builtin", tokenizer, args.nsamples, args.seqlen, seed=0, holdout=args.holdout)
-    task_dir = tempfile.mkdtemp(prefix="sparseswaps_tasks_")
-    tasks = [write_builtin_cloze_task(task_dir, n_items=args.cloze_items)] if args.cloze_items else None
-    return Experiment(
-        model,
-        tokenizer,
-        windows[: args.nsamples],
-        holdout_tokens=windows[args.nsamples :] if args.holdout else None,
-        eval_tokens=load_eval_tokens("builtin", tokenizer),
-        extra_eval_tokens={name: load_eval_tokens(name, tokenizer) for name in args.extra_eval},
-        seqlen=args.seqlen,
-        eval_windows=args.eval_windows,
-        tasks=tasks,
-        include_path=task_dir if tasks else None,
-        device=args.device,
-    )
+    return default_experiment(args, args.cloze_items)
 
 
 def settings_of(args: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]:
@@ -221,19 +200,8 @@ def main(
         help="SparseSwaps T unless a setting gives max_iters or a recipe (default "
         f"{RECIPES[SETTING_BASE].spec.refine.max_iters}, the {SETTING_BASE} recipe's)",
     )
-    parser.add_argument("--nsamples", type=int, default=JobConfig.nsamples, help="calibration windows (the job's)")
-    parser.add_argument("--holdout", type=int, default=JobConfig.holdout, help="held-out calibration windows")
-    parser.add_argument("--seqlen", type=int, default=JobConfig.seqlen)
-    parser.add_argument("--eval-windows", type=int, default=JobConfig.eval_windows)
-    parser.add_argument(
-        "--extra-eval",
-        nargs="*",
-        default=["stdlib-prose"],
-        help="more evaluation texts (data sources) for perplexity beside the built-in one (default: stdlib-prose, "
-        "English prose calibration never touches)",
-    )
+    add_experiment_args(parser)
     parser.add_argument("--cloze-items", type=int, default=100, help="builtin_cloze items (0: no zero-shot)")
-    parser.add_argument("--device", default="cpu")
     parser.add_argument("--report-only", action="store_true", help="print (and plot) finished rows, run nothing")
     parser.add_argument("--plot", default=None, help="PNG path: perplexity of every row, one panel per pattern")
     args = parser.parse_args(argv)
