@@ -101,21 +101,21 @@ def test_the_method_records_swaps_and_a_recipe_updates_weights_only_when_asked()
         SparseSwapsMethod(0.6, grams=[gram], recipe="alpz")
 
 
-def test_the_alps_mask_recipe_swaps_from_alps_masks_only_and_refuses_a_pruned_tensor():
+def test_the_admm_mask_recipe_swaps_from_admm_masks_only_and_refuses_a_pruned_tensor():
     layer, gram = problem()
     original = layer.weight.detach().clone()
     params = [(layer, "weight")]
     prune.global_unstructured(
-        params, pruning_method=SparseSwapsMethod, amount=0.6, grams=[gram], tensors=params, recipe="sparseswaps-alps"
+        params, pruning_method=SparseSwapsMethod, amount=0.6, grams=[gram], tensors=params, recipe="sparseswaps-admm"
     )
-    assert torch.equal(layer.weight_orig, original)  # masks only: ALPS's weights are discarded
-    alps_mask = prune_layer(original, gram, spec=build_spec(RECIPES["alps"].spec, scope="row")).keep_mask
-    alps_loss = float(row_losses(original, gram, alps_mask).sum())
+    assert torch.equal(layer.weight_orig, original)  # masks only: ADMM's weights are discarded
+    admm_mask = prune_layer(original, gram, spec=build_spec(RECIPES["admm"].spec, scope="row")).keep_mask
+    admm_loss = float(row_losses(original, gram, admm_mask).sum())
     swapped_loss = float(row_losses(original, gram, layer.weight_mask.bool()).sum())
-    assert swapped_loss < alps_loss  # the swaps lower the mask objective from ALPS's mask
-    assert not torch.equal(layer.weight_mask.bool(), alps_mask)
+    assert swapped_loss < admm_loss  # the swaps lower the mask objective from ADMM's mask
+    assert not torch.equal(layer.weight_mask.bool(), admm_mask)
     with pytest.raises(ValueError, match="already pruned tensor is not supported"):
-        sparseswaps_unstructured(layer, "weight", amount=0.3, gram=gram, recipe="sparseswaps-alps")
+        sparseswaps_unstructured(layer, "weight", amount=0.3, gram=gram, recipe="sparseswaps-admm")
     assert torch.equal(layer.weight_orig, original)
 
 

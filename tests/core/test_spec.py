@@ -180,9 +180,9 @@ def test_recipes_are_specs_that_options_change():
         SWAPS, start="alps", scope="layer", swap_scope="row", objective="refit", max_iters=25
     )
     assert RECIPES["alps-swaps"].spec.weights == SWAPS.weights  # the re-fit objective's own re-fit
-    # masks only, from ALPS's mask: what compare_methods.py's "start=alps,weights=keep" row ran (--max-iters 25)
-    assert RECIPES["sparseswaps-alps"].spec == build_spec(SWAPS, start="alps", weights="keep", max_iters=25)
-    assert RECIPES["sparseswaps-alps"].spec.describe() == "60% per row: alps -> sparseswaps T=25 (mask) -> keep"
+    # masks only, from ADMM's mask: what compare_methods.py's "start=admm,weights=keep" row ran (--max-iters 25)
+    assert RECIPES["sparseswaps-admm"].spec == build_spec(SWAPS, start="admm", weights="keep", max_iters=25)
+    assert RECIPES["sparseswaps-admm"].spec.describe() == "60% per row: admm -> sparseswaps T=25 (mask) -> keep"
     seventy = build_spec(ALPS, sparsity=0.7)
     assert seventy.budget == Budget(sparsity=0.7, scope="layer") and seventy.start == ALPS.start
     # N:M fixes every row's count: a layer-wise recipe selects per row, unless a scope is asked for
@@ -191,7 +191,7 @@ def test_recipes_are_specs_that_options_change():
         build_spec(RECIPES["sparsegpt"].spec, nm=(2, 4), scope="layer")
     for name, recipe in RECIPES.items():
         assert PruneSpec.from_dict(json.loads(json.dumps(recipe.spec.to_dict()))) == recipe.spec, name
-        assert recipe.updates_weights == (name not in ("sparseswaps", "sparseswaps-alps", "paper", "wanda")), name
+        assert recipe.updates_weights == (name not in ("sparseswaps", "sparseswaps-admm", "paper", "wanda")), name
 
 
 def test_stages_are_type_checked():

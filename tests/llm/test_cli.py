@@ -74,14 +74,14 @@ def test_cli_and_python_defaults_build_the_same_job():
     recipe = job_config(build_parser().parse_args(["prune", "--out", "x", "--recipe", "alps", "--sparsity", "0.7"]))
     assert recipe.prune.spec == build_spec(RECIPES["alps"].spec, sparsity=0.7)
     assert recipe.prune.block_tune_epochs == 0  # a published recipe runs as published
-    alps_mask = job_config(build_parser().parse_args(["prune", "--out", "x", "--recipe", "sparseswaps-alps"]))
+    admm_mask = job_config(build_parser().parse_args(["prune", "--out", "x", "--recipe", "sparseswaps-admm"]))
     assert (
-        alps_mask.prune.spec
-        == PruneOptions(recipe="sparseswaps-alps").spec
-        == SparseSwapsPruning(recipe="sparseswaps-alps").spec
+        admm_mask.prune.spec
+        == PruneOptions(recipe="sparseswaps-admm").spec
+        == SparseSwapsPruning(recipe="sparseswaps-admm").spec
     )
     assert (
-        alps_mask.prune.spec == build_spec(SPARSESWAPS_SPEC, start="alps") and not alps_mask.prune.spec.updates_weights
+        admm_mask.prune.spec == build_spec(SPARSESWAPS_SPEC, start="admm") and not admm_mask.prune.spec.updates_weights
     )
     tuned = job_config(
         build_parser().parse_args(["prune", "--out", "x", "--recipe", "alps", "--block-tune-epochs", "2"])
