@@ -29,14 +29,14 @@ Tokens, all from the model's tokenizer:
   ``--eval-windows`` (32) windows of ``seqlen`` tokens; the same tokens before and after the fine-tune.
 
     python benchmarks/prune_finetune.py --out /tmp/prune_finetune --pattern 60% \\
-        --settings "start=wanda,refine=none,weights=keep" "start=ria,weights=keep" "start=alps,weights=keep" \\
+        --settings "start=wanda,refine=none,weights=keep" "start=ria,weights=keep" "start=admm,weights=keep" \\
         --max-iters 25 --nsamples 64 --steps 20 --batch-size 4 --train-seqlen 128 --adapter masklora --rank 16 \\
         --lr 1e-3
 
 (the defaults: Wanda's mask alone, RIA's mask + SparseSwaps T=25, which is the namesake default ``PruneSpec()``,
-and ALPS's mask + SparseSwaps T=25, all masks only). Settings are ``compare_methods.py --extra`` settings, on top
-of the same ``sparseswaps-refit`` recipe (T=``--max-iters`` unless a setting gives ``max_iters`` or a recipe);
-``--pattern`` is one of its patterns (``60%``, ``70%``, ``2:4``).
+and ADMM's mask + SparseSwaps T=25, the ``sparseswaps-admm`` recipe, all masks only). Settings are
+``compare_methods.py --extra`` settings, on top of the same ``sparseswaps-refit`` recipe (T=``--max-iters`` unless a
+setting gives ``max_iters`` or a recipe); ``--pattern`` is one of its patterns (``60%``, ``70%``, ``2:4``).
 
 Resume: each setting's row is saved as JSON in ``--out`` (atomically) once it has been pruned, fine-tuned and
 measured. A saved row is re-used, without loading the model, only if it was made at the same pattern with the same
@@ -79,8 +79,9 @@ from sparseswaps_prune.llm.pipeline import PruneOptions, check_layers
 FINETUNE_SEED = 0
 """Seed of the adapters' initialisation and of the training windows' order: the same for every setting."""
 
-DEFAULT_SETTINGS = ["start=wanda,refine=none,weights=keep", "start=ria,weights=keep", "start=alps,weights=keep"]
-"""Wanda's mask alone, RIA's mask + SparseSwaps (at ``--max-iters 25``: ``PruneSpec()``), ALPS's mask + SparseSwaps."""
+DEFAULT_SETTINGS = ["start=wanda,refine=none,weights=keep", "start=ria,weights=keep", "start=admm,weights=keep"]
+"""Wanda's mask alone, RIA's mask + SparseSwaps (at ``--max-iters 25``: ``PruneSpec()``), ADMM's mask + SparseSwaps
+(the ``sparseswaps-admm`` recipe)."""
 
 
 def training_windows(calib_tokens: torch.Tensor, train_seqlen: int) -> torch.Tensor:
@@ -99,7 +100,8 @@ def pruning_masks(model: nn.Module, options: PruneOptions) -> dict[str, torch.Te
 def mask_kept(model: nn.Module, options: PruneOptions, masks: dict[str, torch.Tensor]) -> bool:
     """True if the zeros of every layer ``options`` prunes are exactly where ``masks`` (:func:`pruning_masks` of
     the model right after pruning) has False: no pruned weight became nonzero and no kept one zero."""
-    return all(torch.equal(layer.weight_2d() != 0, masks[layer.name]) for layer in check_layers(model, options))
+    now = pruning_masks(model, options)
+    return now.keys() == masks.keys() and all(torch.equal(now[name], masks[name]) for name in masks)
 
 
 def finetune_settings(args: argparse.Namespace) -> dict[str, Any]:

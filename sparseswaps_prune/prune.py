@@ -1,7 +1,8 @@
 """``torch.nn.utils.prune`` integration: :class:`SparseSwapsMethod` and :func:`sparseswaps_unstructured`.
 
-By default a method here computes masks only, as ``torch.nn.utils.prune`` methods do: RIA's mask as the warmstart, then
-exact, loss-decreasing 1-swaps against each layer's Gram matrix (:data:`~sparseswaps_prune.core.spec.SPARSESWAPS_SPEC`).
+By default a method here computes masks only, as ``torch.nn.utils.prune`` methods do: RIA's mask as the warmstart,
+then exact, loss-decreasing 1-swaps against each layer's Gram matrix
+(:data:`~sparseswaps_prune.core.spec.SPARSESWAPS_SPEC`).
 Masks are the standard reparametrization (``weight_orig`` is the original parameter, untouched; ``weight_mask`` a
 buffer; a forward pre-hook); ``prune.remove`` makes ``weight_orig * weight_mask`` permanent. Every layer is pruned
 row by row, never by one global threshold, even when called through ``prune.global_unstructured``, which flattens

@@ -209,10 +209,10 @@ the default model at 60%, 70% and 2:4, on the built-in evaluation text and on st
 64 windows, on two texts": 48.95 / 82.99 against 50.51 / 84.84 at 60%), at the same cost; RIA is a score start, so
 it prunes an already pruned tensor again (iterative pruning through ``torch.nn.utils.prune``), which ADMM's mask
 (``--recipe sparseswaps-admm``, lower perplexity still, at about 1.5x the time) cannot. Its scores divide by column
-sums over all rows, so the default prunes whole layers where row shards were asked for
-(``PruneOptions.row_shards``; ``start="wanda"`` treats rows apart). Why
-T=25: about 89% of the converged loss reduction on the default model at a quarter of T=100's time (RESULTS.md
-"SparseSwaps vs Wanda"), as the paper finds ("values around T=25 often suffice")."""
+sums over all rows, so the default prunes whole layers where row shards were asked for (``PruneOptions.row_shards``;
+``start="wanda"`` treats rows apart). Why T=25: about 89% of the converged loss reduction on the default model at a
+quarter of T=100's time (RESULTS.md "SparseSwaps vs Wanda"), as the paper finds ("values around T=25 often
+suffice")."""
 
 
 RENAMED_OPTIONS = {"warmstart": "start", "refit": "weights", "holdout_guard": "guard"}
