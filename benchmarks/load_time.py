@@ -38,9 +38,7 @@ print(json.dumps({"seconds": seconds, "digest": digest.hexdigest()[:16]}))
 
 def _load(variant: str) -> dict:
     env = os.environ | {"TRANSFORMERS_VERBOSITY": "error", "HF_HUB_OFFLINE": "1"}
-    done = subprocess.run(
-        [sys.executable, "-c", _CHILD, variant], capture_output=True, text=True, env=env, check=False
-    )
+    done = subprocess.run([sys.executable, "-c", _CHILD, variant], capture_output=True, text=True, env=env, check=False)
     if done.returncode != 0:
         raise SystemExit(f"{variant} load failed: {done.stderr.strip()[-2000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])

@@ -33,8 +33,8 @@ Tokens, all from the model's tokenizer:
         --max-iters 25 --nsamples 64 --steps 20 --batch-size 4 --train-seqlen 128 --adapter masklora --rank 16 \\
         --lr 1e-3
 
-(the defaults: Wanda's mask alone, RIA's mask + SparseSwaps T=25, which is the namesake default ``PruneSpec()``,
-and ADMM's mask + SparseSwaps T=25, the ``sparseswaps-admm`` recipe, all masks only). Settings are
+(the defaults: Wanda's mask alone, RIA's mask + SparseSwaps T=25, and ADMM's mask + SparseSwaps T=25, which is the
+namesake default ``PruneSpec()``, all masks only). Settings are
 ``compare_methods.py --extra`` settings, on top of the same ``sparseswaps-refit`` recipe (T=``--max-iters`` unless a
 setting gives ``max_iters`` or a recipe); ``--pattern`` is one of its patterns (``60%``, ``70%``, ``2:4``).
 
@@ -80,8 +80,8 @@ FINETUNE_SEED = 0
 """Seed of the adapters' initialisation and of the training windows' order: the same for every setting."""
 
 DEFAULT_SETTINGS = ["start=wanda,refine=none,weights=keep", "start=ria,weights=keep", "start=admm,weights=keep"]
-"""Wanda's mask alone, RIA's mask + SparseSwaps (at ``--max-iters 25``: ``PruneSpec()``), ADMM's mask + SparseSwaps
-(the ``sparseswaps-admm`` recipe)."""
+"""Wanda's mask alone, RIA's mask + SparseSwaps, ADMM's mask + SparseSwaps (at ``--max-iters 25``: ``PruneSpec()``,
+the ``sparseswaps`` recipe)."""
 
 
 def training_windows(calib_tokens: torch.Tensor, train_seqlen: int) -> torch.Tensor:

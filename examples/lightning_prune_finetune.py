@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     parser.add_argument("--tiny", action="store_true", help="a tiny random llama instead of SmolLM2-135M")
     parser.add_argument("--model", default=None, help="model path or hub name (default: packaged SmolLM2-135M)")
     parser.add_argument("--sparsity", type=float, default=0.5)
-    parser.add_argument("--start", default="ria", choices=["magnitude", "wanda", "ria"])
+    parser.add_argument("--start", default="admm", choices=["magnitude", "wanda", "ria", "admm"])
     parser.add_argument("--max-iters", type=int, default=5, help="SparseSwaps iterations per layer")
     parser.add_argument("--calibration-batches", type=int, default=4)
     parser.add_argument("--adapter", default="masklora", choices=["masklora", "scalelora", "none"])

@@ -3,7 +3,7 @@
 Run: ``python examples/prune_hf_model.py`` prunes a tiny random-weight llama (saved to a temporary directory)
 in seconds; ``--model default`` prunes the packaged SmolLM2-135M (minutes on CPU); ``--model PATH`` any local
 ``save_pretrained`` directory or ``.gguf`` file. Same as the ``sparseswaps prune`` command line: the default
-recipe ``best`` (ALPS's mask and weights, then block tuning), or ``--recipe sparseswaps`` (RIA's mask, then exact
+recipe ``best`` (ALPS's mask and weights, then block tuning), or ``--recipe sparseswaps`` (ADMM's mask, then exact
 1-swaps, masks only) with ``--start`` and ``--max-iters``.
 """
 
@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--sparsity", type=float, default=0.5)
     parser.add_argument("--nm", default=None, help="N:M pattern such as 2:4 instead of --sparsity")
     parser.add_argument("--recipe", default="best", choices=tuple(RECIPES))
-    parser.add_argument("--start", default=None, choices=["magnitude", "wanda", "ria", "sparsegpt"])
+    parser.add_argument("--start", default=None, choices=["magnitude", "wanda", "ria", "sparsegpt", "admm"])
     parser.add_argument("--max-iters", type=int, default=None, help="SparseSwaps T (with --recipe sparseswaps)")
     parser.add_argument("--nsamples", type=int, default=4)
     parser.add_argument("--seqlen", type=int, default=64)

@@ -1,7 +1,7 @@
 """``torch.nn.utils.prune`` integration: :class:`SparseSwapsMethod` and :func:`sparseswaps_unstructured`.
 
-By default a method here computes masks only, as ``torch.nn.utils.prune`` methods do: RIA's mask as the warmstart,
-then exact, loss-decreasing 1-swaps against each layer's Gram matrix
+By default a method here computes masks only, as ``torch.nn.utils.prune`` methods do: ADMM's mask as the warmstart
+(its weights discarded), then exact, loss-decreasing 1-swaps against each layer's Gram matrix
 (:data:`~sparseswaps_prune.core.spec.SPARSESWAPS_SPEC`).
 Masks are the standard reparametrization (``weight_orig`` is the original parameter, untouched; ``weight_mask`` a
 buffer; a forward pre-hook); ``prune.remove`` makes ``weight_orig * weight_mask`` permanent. Every layer is pruned
@@ -29,13 +29,13 @@ from sparseswaps_prune.recipes import layer_spec
 class SparseSwapsMethod(prune.BasePruningMethod):
     """SparseSwaps as a ``torch.nn.utils.prune`` method: computes each tensor's mask by a warmstart plus exact 1-swap
     refinement (:func:`~sparseswaps_prune.core.layer.prune_layer` with
-    :data:`~sparseswaps_prune.core.spec.SPARSESWAPS_SPEC`: RIA, 25 swap iterations per row; masks only, so
+    :data:`~sparseswaps_prune.core.spec.SPARSESWAPS_SPEC`: ADMM's mask, 25 swap iterations per row; masks only, so
     ``weight_orig`` stays the original parameter). Any other spec or recipe runs the same way.
 
     Args:
         amount: fraction of each row's (or, with ``scope="layer"``, each layer's) currently unpruned weights to
             prune, in ``[0, 1)`` (the spec's ``sparsity``); exclusive with ``nm``. Pruning an already pruned tensor
-            again needs a score start (the default's RIA is one).
+            again needs an ADMM or score start (the default's ADMM is one), not N:M.
         grams: one ``[d_in, d_in]`` Gram matrix per pruned tensor, in parameter order.
         tensors: the ``(module, name)`` pairs being pruned, in the same order (as given to
             ``global_unstructured``). Gives each layer its 2-D shape and existing mask, and is where updated
@@ -61,7 +61,7 @@ class SparseSwapsMethod(prune.BasePruningMethod):
     Example:
         >>> params = [(model.fc1, "weight"), (model.fc2, "weight")]
         >>> prune.global_unstructured(params, pruning_method=SparseSwapsMethod, amount=0.6,
-        ...                           tensors=params, grams=[g1, g2], max_iters=50)  # RIA + 50 swap iterations
+        ...                           tensors=params, grams=[g1, g2], max_iters=50)  # ADMM + 50 swap iterations
         >>> prune.global_unstructured(params, pruning_method=SparseSwapsMethod, amount=0.6, tensors=params,
         ...                           grams=[g1, g2], recipe="alps")  # ALPS's masks, its weights in weight_orig
     """
@@ -214,20 +214,20 @@ def sparseswaps_unstructured(
     recipe: str | None = None,
     **options,
 ) -> nn.Module:
-    """Prune ``module.<name>`` with SparseSwaps, like ``prune.l1_unstructured``: RIA's mask refined by exact
+    """Prune ``module.<name>`` with SparseSwaps, like ``prune.l1_unstructured``: ADMM's mask refined by exact
     1-swaps against ``gram`` (:data:`~sparseswaps_prune.core.spec.SPARSESWAPS_SPEC`), masks only.
 
     Adds ``<name>_orig`` (the original parameter) and ``<name>_mask`` to ``module`` (in place) and returns it; a
     weight update, if asked for (``weights=``, a spec or recipe that updates weights), lands in ``<name>_orig``. If
     the tensor is already pruned, the new mask prunes ``amount`` of each row's remaining weights and is combined
-    with the existing one (score starts only). On bad input (wrong Gram size, NaN, bad ``amount``/``nm``/option)
-    raises before touching ``module``.
+    with the existing one (ADMM and score starts; not N:M). On bad input (wrong Gram size, NaN, bad
+    ``amount``/``nm``/option) raises before touching ``module``.
 
     Args:
         module: module holding a 2-D weight ``[d_out, d_in]`` (e.g. ``nn.Linear``).
         name: parameter name.
-        amount: fraction of the layer's (default spec) or each row's unpruned weights to prune, in ``[0, 1)``;
-            exclusive with ``nm``.
+        amount: fraction of each row's (with ``scope="layer"``, the layer's) unpruned weights to prune, in
+            ``[0, 1)``; exclusive with ``nm``.
         gram: ``[d_in, d_in]`` Gram matrix of the module's inputs.
         feature_stats: ``(mean, var, sq_mean)`` of the module's inputs, for ``refine="dsnot"`` only.
         spec, recipe, **options: as :class:`SparseSwapsMethod` (e.g. ``nm=(2, 4)``, ``max_iters=100``,

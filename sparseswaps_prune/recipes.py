@@ -74,13 +74,8 @@ RECIPES: dict[str, Recipe] = {
     "sparseswaps": Recipe(
         SPARSESWAPS_SPEC,
         0,
-        "SparseSwaps, masks only: RIA's mask, 25 exact 1-swap iterations per row, the weights kept",
-    ),
-    "sparseswaps-admm": Recipe(
-        PruneSpec(start=ADMMStart()),
-        0,
-        "SparseSwaps, masks only, from ADMM's mask per row (its weights discarded): the lowest masks-only perplexity "
-        "measured, at about 1.5x sparseswaps' time; tensors not yet pruned",
+        "SparseSwaps, masks only: ADMM's mask per row (its weights discarded), 25 exact 1-swap iterations per row, "
+        "the weights kept: the lowest masks-only perplexity measured",
     ),
     "sparseswaps-refit": Recipe(
         PruneSpec(start=_WANDA, refine=SwapRefine(max_iters=10), weights=LeastSquares()),

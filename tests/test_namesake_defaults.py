@@ -1,4 +1,4 @@
-"""The namesake entry points run SparseSwaps with no spec: RIA's mask as the warmstart, then exact 1-swaps, masks only.
+"""The namesake entry points run SparseSwaps with no spec: ADMM's mask as the warmstart, then exact 1-swaps, masks only.
 
 The call forms are those a user writes from the package's names (issue 46); each must swap (``n_swaps > 0``), end
 below the warmstart's loss, leave ``weight_orig`` equal to the original parameter, and ``prune.remove`` must give
@@ -23,6 +23,7 @@ from sparseswaps_prune import (
     sparseswaps_unstructured,
 )
 from sparseswaps_prune.callbacks import SparseSwapsPruning
+from sparseswaps_prune.core.admm import admm_prune
 from sparseswaps_prune.core.losses import row_losses
 from sparseswaps_prune.core.select import select_mask
 from sparseswaps_prune.core.warmstart import importance_scores
@@ -44,13 +45,18 @@ def score_loss(weight: torch.Tensor, gram: torch.Tensor, sparsity: float, score:
     return float(row_losses(weight, gram, mask).sum())
 
 
+def admm_mask_loss(weight: torch.Tensor, gram: torch.Tensor, sparsity: float) -> float:
+    """The mask objective of ADMM's mask per row (its weights discarded): the default's start."""
+    return float(row_losses(weight, gram, admm_prune(weight, gram, sparsity=sparsity, scope="row").keep_mask).sum())
+
+
 def test_prune_layer_with_no_spec_swaps_masks_only():
     layer, gram = problem()
     out = prune_layer(layer.weight, gram)
     assert out.weight is None  # masks only
     assert int(out.n_swaps.sum()) > 0
     assert float(out.loss.refined.sum()) < float(out.loss.start.sum())
-    assert float(out.loss.start.sum()) == pytest.approx(score_loss(layer.weight.detach(), gram, 0.6, "ria"))
+    assert float(out.loss.start.sum()) == pytest.approx(admm_mask_loss(layer.weight.detach(), gram, 0.6))
     assert torch.equal(out.keep_mask.sum(dim=1), torch.full((12,), 24 - round(0.6 * 24)))
 
 
@@ -78,7 +84,7 @@ def test_global_unstructured_with_max_iters_and_no_spec():
     for (module, _), original, gram in zip(params, originals, (gram1, gram2), strict=True):
         assert torch.equal(module.weight_orig, original)
         loss = float(row_losses(original, gram, module.weight_mask.bool()).sum())
-        assert loss < score_loss(original, gram, 0.6, "ria")  # the default start: RIA
+        assert loss < admm_mask_loss(original, gram, 0.6)  # the default start: ADMM's mask
         prune.remove(module, "weight")
         assert torch.equal(module.weight.detach(), original * (module.weight != 0))
 
@@ -101,22 +107,24 @@ def test_the_method_records_swaps_and_a_recipe_updates_weights_only_when_asked()
         SparseSwapsMethod(0.6, grams=[gram], recipe="alpz")
 
 
-def test_the_admm_mask_recipe_swaps_from_admm_masks_only_and_refuses_a_pruned_tensor():
+def test_the_default_swaps_from_admm_masks_only_and_prunes_a_pruned_tensor_again():
     layer, gram = problem()
     original = layer.weight.detach().clone()
     params = [(layer, "weight")]
-    prune.global_unstructured(
-        params, pruning_method=SparseSwapsMethod, amount=0.6, grams=[gram], tensors=params, recipe="sparseswaps-admm"
-    )
+    prune.global_unstructured(params, pruning_method=SparseSwapsMethod, amount=0.6, grams=[gram], tensors=params)
     assert torch.equal(layer.weight_orig, original)  # masks only: ADMM's weights are discarded
-    admm_mask = prune_layer(original, gram, spec=build_spec(RECIPES["admm"].spec, scope="row")).keep_mask
-    admm_loss = float(row_losses(original, gram, admm_mask).sum())
-    swapped_loss = float(row_losses(original, gram, layer.weight_mask.bool()).sum())
-    assert swapped_loss < admm_loss  # the swaps lower the mask objective from ADMM's mask
-    assert not torch.equal(layer.weight_mask.bool(), admm_mask)
-    with pytest.raises(ValueError, match="already pruned tensor is not supported"):
-        sparseswaps_unstructured(layer, "weight", amount=0.3, gram=gram, recipe="sparseswaps-admm")
+    admm_mask = admm_prune(original, gram, sparsity=0.6, scope="row").keep_mask
+    first = layer.weight_mask.bool().clone()
+    assert float(row_losses(original, gram, first).sum()) < float(row_losses(original, gram, admm_mask).sum())
+    assert not torch.equal(first, admm_mask)  # the swaps moved it
+    sparseswaps_unstructured(layer, "weight", amount=0.5, gram=gram)  # iterative pruning: within the first mask
+    second = layer.weight_mask.bool()
+    assert not (second & ~first).any()
+    assert torch.equal(second.sum(dim=1), first.sum(dim=1) - torch.round(0.5 * first.sum(dim=1)).long())
     assert torch.equal(layer.weight_orig, original)
+    with pytest.raises(ValueError, match="alps pruning of an already pruned tensor is not supported"):
+        sparseswaps_unstructured(layer, "weight", amount=0.3, gram=gram, recipe="alps")
+    assert torch.equal(layer.weight_mask.bool(), second) and torch.equal(layer.weight_orig, original)
 
 
 def test_warmstart_is_accepted_with_a_deprecation_warning():

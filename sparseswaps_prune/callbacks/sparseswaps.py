@@ -150,7 +150,7 @@ class SparseSwapsPruning(pl.Callback):
 
     At the chosen moment (``when``) the callback runs ``calibration_batches`` batches through the module under
     ``torch.no_grad()``, accumulates each selected layer's input Gram matrix ``G = sum_t x_t x_t^T`` with
-    temporary forward pre-hooks, computes a mask per layer (by default RIA's mask refined by 25 iterations of exact,
+    temporary forward pre-hooks, computes a mask per layer (by default ADMM's mask refined by 25 iterations of exact,
     loss-decreasing 1-swaps per row against ``G``: :data:`~sparseswaps_prune.core.spec.SPARSESWAPS_SPEC`) and
     installs it as the standard ``torch.nn.utils.prune`` reparametrization (``weight_orig`` the original parameter,
     ``weight_mask`` a buffer): the weight is recomputed as ``weight_orig * weight_mask`` on every forward, so pruned

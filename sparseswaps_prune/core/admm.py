@@ -25,6 +25,11 @@ Mask re-selection (the original's three branches):
   the same cubic schedule: at step ``t`` only the ``floor(s_t * numel)`` smallest entries outside the N:M
   mask are pruned (``s = (m - n) / m``), so the last re-selection is exactly the N:M mask.
 
+Iterative pruning (ours; the original prunes dense layers only): with ``prior_mask`` (an earlier pruning's mask) the
+weights it pruned stay pruned in every selection, and each row prunes ``sparsity`` of the weights the prior keeps
+(``round(sparsity * kept)``, the score starts' rule, whatever ``scope``), through the same cubic schedule (``floor(s_t *
+kept)`` pruned at step ``t``).
+
 With ``reselect_iters=0`` (the original's ``iterative_prune=0``) the mask is chosen once from the normalised
 weights ``|W * n|`` (Wanda's score) and kept fixed; :func:`admm_update` runs the same ADMM on a given mask.
 
@@ -57,7 +62,7 @@ from sparseswaps_prune.core.checks import (
     check_weight,
     kept_per_row,
 )
-from sparseswaps_prune.core.select import keep_top, select_mask_unchecked
+from sparseswaps_prune.core.select import keep_top, select_mask_unchecked, select_within
 
 # The original's defaults: percdamp=0.1 (passed by prune_admm), rho=1, iters=20, iterative_prune=15.
 ADMM_DAMP = 0.1
@@ -96,6 +101,7 @@ def admm_prune(
     rho: float = ADMM_RHO,
     damp: float = ADMM_DAMP,
     dtype: torch.dtype = torch.float32,
+    prior_mask: torch.Tensor | None = None,
 ) -> ADMMResult:
     """Prune a linear layer with ADMM and gradual mask re-selection (Boza 2024).
 
@@ -126,12 +132,16 @@ def admm_prune(
         rho: ADMM penalty (1).
         damp: relative ridge, ``damp * mean(diag G')`` on the normalised Gram (``percdamp``, 0.1).
         dtype: computation dtype, ``torch.float32`` (the original) or ``torch.float64``.
+        prior_mask: ``[d_out, d_in]`` bool mask of an earlier pruning (True = kept; not modified): the mask stays
+            within it and each row prunes ``sparsity`` of what it keeps (see the module docstring); not with ``nm``.
+            ``weight`` is taken as given (``prune_layer`` passes it zeroed where the prior prunes).
 
     Returns:
         :class:`ADMMResult` with the weight (``weight``'s dtype and device) and the bool mask.
 
     Raises:
-        ValueError: bad shapes, NaN, an empty Gram, a bad budget, scope, iteration count, ``rho`` or ``damp``.
+        ValueError: bad shapes, NaN, an empty Gram, a bad budget, scope, iteration count, ``rho`` or ``damp``, a
+            prior mask with ``nm``.
         TypeError: non-tensor or non-float inputs, a bad ``dtype``.
 
     Example:
@@ -151,8 +161,16 @@ def admm_prune(
             f"reselect_iters={reselect_iters} exceeds iters={iters}: the mask schedule would stop short of the "
             f"target sparsity; use reselect_iters <= iters (the original uses 15 of 20)"
         )
+    if prior_mask is not None:
+        check_mask(prior_mask, weight, what="prior_mask")
+        if nm is not None:
+            raise ValueError(
+                "N:M pruning of an already pruned tensor (prior_mask) is not supported: its groups would not hold n "
+                "of m; start from the dense weights"
+            )
+        prior_mask = prior_mask.to(weight.device)
     norm, xx_inv, xy, w = _setup(weight, gram, rho, damp, dtype)
-    select = _selector(d_out, d_in, sparsity, nm, scope, reselect_iters)
+    select = _selector(d_out, d_in, sparsity, nm, scope, reselect_iters, prior_mask)
     mask_t = select(w.abs(), None) if reselect_iters == 0 else None
     out_t, mask_t = _admm(w, xy, xx_inv, rho, iters, mask_t, select if reselect_iters else None, reselect_iters)
     return ADMMResult(weight=(out_t.T / norm).to(weight.dtype), keep_mask=mask_t.T.contiguous())
@@ -231,10 +249,16 @@ Selector = Callable[[torch.Tensor, "int | None"], torch.Tensor]
 
 
 def _selector(
-    d_out: int, d_in: int, sparsity: float | None, nm: tuple[int, int] | None, scope: str, reselect_iters: int
+    d_out: int,
+    d_in: int,
+    sparsity: float | None,
+    nm: tuple[int, int] | None,
+    scope: str,
+    reselect_iters: int,
+    prior: torch.Tensor | None,
 ) -> Selector:
     """``select(scores_t [d_in, d_out], step) -> mask_t`` (bool, True = kept, transposed layout). ``step`` is
-    the re-selection iteration (``None``: the full budget at once)."""
+    the re-selection iteration (``None``: the full budget at once); ``prior`` ``[d_out, d_in]``: select within it."""
     numel = d_out * d_in
 
     def fraction(step: int | None, target: float) -> float | None:  # the cubic schedule; None = final
@@ -244,6 +268,8 @@ def _selector(
 
     def select(scores_t: torch.Tensor, step: int | None) -> torch.Tensor:
         scores = scores_t.T
+        if prior is not None:
+            return select_within(scores, prior, sparsity, fraction=fraction(step, sparsity)).T
         if nm is not None:
             n, m = nm
             keep_nm = keep_top(scores.reshape(d_out, d_in // m, m), n).reshape(d_out, d_in)

@@ -136,7 +136,7 @@ def prune_layer(
     Args:
         weight: ``[d_out, d_in]`` float weights (not modified).
         gram: ``[d_in, d_in]`` Gram ``sum_t x_t x_t^T`` of the layer's calibration inputs (not modified).
-        spec: the stages (default :data:`~sparseswaps_prune.core.spec.SPARSESWAPS_SPEC`: RIA, 25 exact 1-swap
+        spec: the stages (default :data:`~sparseswaps_prune.core.spec.SPARSESWAPS_SPEC`: ADMM's mask, 25 exact 1-swap
             iterations per row, the weights kept; a named method: ``RECIPES[name].spec``).
         holdout_gram: ``[d_in, d_in]`` Gram of held-out calibration inputs: every stage's loss is also reported on
             it, and a guarded weight update is kept only in rows where it lowers the held-out loss.

@@ -54,6 +54,21 @@ def select_mask_unchecked(
     return keep_top(scores.reshape(1, -1), kept_per_row(sparsity, scores.numel())).reshape(d_out, d_in)
 
 
+def select_within(
+    scores: torch.Tensor, prior: torch.Tensor, sparsity: float, *, fraction: float | None = None
+) -> torch.Tensor:
+    """Iterative pruning's selection: each row keeps the highest ``scores`` among the entries ``prior`` keeps,
+    pruning ``round(sparsity * kept)`` of its ``kept`` ones (``fraction``: ``floor(fraction * kept)`` pruned, at
+    most that many, a step of a gradual schedule); the mask is a subset of ``prior``, whatever the budget's scope.
+
+    ``scores`` ``[d_out, d_in]`` and ``prior`` ``[d_out, d_in]`` bool (True = kept; neither modified)."""
+    kept = prior.sum(dim=1, keepdim=True)
+    pruned = torch.round(sparsity * kept).long()
+    if fraction is not None:
+        pruned = torch.minimum((fraction * kept.double()).floor().long(), pruned)
+    return keep_top(scores.masked_fill(~prior, float("-inf")), kept - pruned) & prior
+
+
 def keep_top(scores: torch.Tensor, k: int | torch.Tensor) -> torch.Tensor:
     """Bool mask of the ``k`` largest entries along the last dim (``k`` an int, or a tensor broadcasting
     against ``scores[..., :1]`` for per-row counts); stable, so among equal scores the lower index is kept.

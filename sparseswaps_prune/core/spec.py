@@ -18,13 +18,13 @@ The stages themselves, each doing its own work behind its role's one method, are
 A spec is validated when it is built: every stage checks its own fields, then what it needs of the other stages
 (e.g. ``SwapRefine(objective="refit")`` needs ``LeastSquares`` weights).
 
-``PruneSpec()`` is :data:`SPARSESWAPS_SPEC`, SparseSwaps masks only (RIA start, 25 swap iterations, weights kept):
+``PruneSpec()`` is :data:`SPARSESWAPS_SPEC`, SparseSwaps masks only (ADMM's mask, 25 swap iterations, weights kept):
 what the namesake entry points run with no spec. The named methods (the CLI's ``best`` default: ALPS's solution,
 then block tuning; the published baselines) are recipes (:mod:`sparseswaps_prune.recipes`).
 
 Example:
     >>> spec = build_spec(nm=(2, 4))                        # SparseSwaps masks only, 2:4
-    >>> spec = build_spec(max_iters=50, weights="ls")       # RIA -> SparseSwaps T=50 -> least-squares re-fit
+    >>> spec = build_spec(max_iters=50, weights="ls")       # ADMM's mask -> SparseSwaps T=50 -> least-squares re-fit
     >>> spec = PruneSpec(budget=Budget(sparsity=0.5), start=SparseGPTStart(), refine=NoRefine(),
     ...                  weights=OBSUpdate())                  # SparseGPT as published (with scope="layer")
 """
@@ -105,8 +105,8 @@ def _by_name(value: str, option: str, table: tuple[type[Stage], ...]) -> Stage:
 @dataclass(frozen=True)
 class PruneSpec:
     """How one layer is pruned: budget, start, refine, weights (see the module docstring). With no arguments, every
-    stage's own defaults: SparseSwaps masks only, 60% per row, RIA start, 25 exact 1-swap iterations (mask
-    objective), the kept weights as they are (:data:`SPARSESWAPS_SPEC`).
+    stage's own defaults: SparseSwaps masks only, 60% per row, ADMM's mask (its weights discarded), 25 exact 1-swap
+    iterations (mask objective), the kept weights as they are (:data:`SPARSESWAPS_SPEC`).
 
     Any :class:`~sparseswaps_prune.core.stages.StartStage`, :class:`~sparseswaps_prune.core.stages.RefineStage` and
     :class:`~sparseswaps_prune.core.stages.WeightStage` fit (``prune_layer`` only calls their methods); JSON
@@ -117,7 +117,7 @@ class PruneSpec:
     """
 
     budget: Budget = field(default_factory=lambda: Budget(sparsity=0.6))
-    start: StartStage = field(default_factory=ScoreStart)
+    start: StartStage = field(default_factory=ADMMStart)
     refine: RefineStage = field(default_factory=SwapRefine)
     weights: WeightStage = field(default_factory=KeepWeights)
 
@@ -199,20 +199,23 @@ class PruneSpec:
 
 
 SPARSESWAPS_SPEC = PruneSpec()
-"""SparseSwaps masks only: 60% per row, RIA's mask, then 25 iterations of exact, loss-decreasing 1-swaps within rows
-under the mask objective; the kept weights stay as they are. What the namesake entry points run with no spec
-(``prune_layer``, :class:`~sparseswaps_prune.prune.SparseSwapsMethod`, ``sparseswaps_unstructured``, the Lightning
-callback) and ``PruneSpec()``: every stage's own defaults.
+"""SparseSwaps masks only: 60% per row, ADMM's mask (Boza 2024, per row, its weights discarded), then 25 iterations
+of exact, loss-decreasing 1-swaps within rows under the mask objective; the kept weights stay as they are. What the
+namesake entry points run with no spec (``prune_layer``, :class:`~sparseswaps_prune.prune.SparseSwapsMethod`,
+``sparseswaps_unstructured``, the Lightning callback, ``--recipe sparseswaps``) and ``PruneSpec()``: every stage's
+own defaults.
 
-Why this start: the swaps from RIA's mask end below those from Wanda's (the paper's start) in held-out perplexity on
-the default model at 60%, 70% and 2:4, on the built-in evaluation text and on stdlib-prose (RESULTS.md "Masks only,
-64 windows, on two texts": 48.95 / 82.99 against 50.51 / 84.84 at 60%), at the same cost; RIA is a score start, so
-it prunes an already pruned tensor again (iterative pruning through ``torch.nn.utils.prune``), which ADMM's mask
-(``--recipe sparseswaps-admm``, lower perplexity still, at about 1.5x the time) cannot. Its scores divide by column
-sums over all rows, so the default prunes whole layers where row shards were asked for (``PruneOptions.row_shards``;
-``start="wanda"`` treats rows apart). Why T=25: about 89% of the converged loss reduction on the default model at a
-quarter of T=100's time (RESULTS.md "SparseSwaps vs Wanda"), as the paper finds ("values around T=25 often
-suffice")."""
+Why this start: of the masks compared on the default model (magnitude, Wanda, RIA, SparseGPT's, ADMM's and ALPS's,
+each with and without the swaps; RESULTS.md "Masks only, 64 windows, on two texts"), the swaps from ADMM's mask give
+the lowest held-out perplexity at 60%, 70% and 2:4 on the built-in evaluation text (47.35 at 60% against 48.95 from
+RIA's mask and 50.51 from Wanda's, the paper's start) and at 60% and 70% on stdlib-prose, text calibration never
+touched, at about 1.5x the time of a score start; they stay ahead after a short PERP fine-tune. An already pruned
+tensor is pruned again within its mask (iterative pruning through ``torch.nn.utils.prune``; not N:M). ``start="ria"``
+is the fast alternative (a score start; seconds for the mask); ``start="wanda"`` is the paper's. ADMM's float32
+products are not verified row by row, so the default prunes whole layers where row shards were asked for
+(``PruneOptions.row_shards``; ``start="wanda"`` treats rows apart). Why T=25: about 89% of the converged loss
+reduction on the default model at a quarter of T=100's time (RESULTS.md "SparseSwaps vs Wanda"), as the paper finds
+("values around T=25 often suffice")."""
 
 
 RENAMED_OPTIONS = {"warmstart": "start", "refit": "weights", "holdout_guard": "guard"}

@@ -42,7 +42,7 @@ from sparseswaps_prune.core.dsnot import dsnot_refine
 from sparseswaps_prune.core.losses import weight_losses_unchecked
 from sparseswaps_prune.core.refine import RESYNC_EVERY, SWAP_ITERS, refine_mask
 from sparseswaps_prune.core.refit import REFIT_RIDGE, RIDGE_DAMPS, RIDGES, refit_weights
-from sparseswaps_prune.core.select import keep_top, select_mask_unchecked
+from sparseswaps_prune.core.select import select_mask_unchecked, select_within
 from sparseswaps_prune.core.sparsegpt import SPARSEGPT_DAMP, sparsegpt_prune
 from sparseswaps_prune.core.warmstart import SCORES, importance_scores_unchecked
 
@@ -190,10 +190,13 @@ class StartStage(Stage):
     Class attributes:
         computes_weights: the start computes weights for its mask (``StartWeights`` keeps them; a guarded update
             falls back to them).
+        prunes_again: the start selects within ``ctx.prior_mask`` (iterative pruning of an already pruned tensor:
+            each row prunes ``sparsity`` of what the prior keeps; not N:M); else such a tensor is refused.
     """
 
     role: ClassVar[str] = "start"
     computes_weights: ClassVar[bool] = False
+    prunes_again: ClassVar[bool] = False
 
     @abstractmethod
     def select(
@@ -204,14 +207,16 @@ class StartStage(Stage):
         and the start computes them, else None. ``weight`` and ``gram`` are validated and not modified."""
 
     def check_inputs(self, weight: torch.Tensor, budget: Budget, ctx: StageContext) -> None:
-        if ctx.prior_mask is not None:
+        if ctx.prior_mask is not None and not self.prunes_again:
             raise _already_pruned(self.name)
+        if ctx.prior_mask is not None and budget.nm is not None:
+            raise _already_pruned("N:M")
 
 
 def _already_pruned(what: str) -> ValueError:
     return ValueError(
         f"{what} pruning of an already pruned tensor is not supported; make the earlier pruning permanent "
-        "(prune.remove), start from the dense weights, or prune it again with a score start per row or layer (e.g. "
+        "(prune.remove), start from the dense weights, or prune it again with an ADMM or score start, not N:M (e.g. "
         "the default spec, SPARSESWAPS_SPEC)"
     )
 
@@ -222,12 +227,13 @@ class ScoreStart(StartStage):
 
     Attributes:
         score: ``"magnitude"`` (``|W|``), ``"wanda"`` (``|W| * ||X_j||``) or ``"ria"`` (the default: relative
-            importance, ``|W|`` over its row's and its column's sums, times ``||X_j|| ** 0.5``; the start of
-            :data:`~sparseswaps_prune.core.spec.SPARSESWAPS_SPEC`, which says why).
+            importance, ``|W|`` over its row's and its column's sums, times ``||X_j|| ** 0.5``; the best score start
+            for the swaps measured, RESULTS.md "Masks only, 64 windows, on two texts").
     """
 
     kind: ClassVar[str] = "score"
     names: ClassVar[tuple[str, ...]] = SCORES
+    prunes_again: ClassVar[bool] = True
     score: str = "ria"
 
     def __post_init__(self) -> None:
@@ -245,21 +251,13 @@ class ScoreStart(StartStage):
     def row_obstacle(self) -> str | None:
         return "RIA's scores divide by column sums over all rows" if self.score == "ria" else None
 
-    def check_inputs(self, weight: torch.Tensor, budget: Budget, ctx: StageContext) -> None:
-        if ctx.prior_mask is not None and budget.nm is not None:
-            raise _already_pruned("N:M")
-
     def select(
         self, weight: torch.Tensor, gram: torch.Tensor, budget: Budget, ctx: StageContext
     ) -> tuple[torch.Tensor, None]:
         scores = importance_scores_unchecked(weight, self.score, gram)
-        prior = ctx.prior_mask
-        if prior is None:
+        if ctx.prior_mask is None:
             return select_mask_unchecked(scores, **budget.pattern), None
-        # every row prunes `sparsity` of the weights the prior mask keeps
-        kept = prior.sum(dim=1, keepdim=True)
-        scores = scores.masked_fill(~prior, float("-inf"))
-        return keep_top(scores, kept - torch.round(budget.sparsity * kept).long()) & prior, None
+        return select_within(scores, ctx.prior_mask, budget.sparsity), None
 
 
 @dataclass(frozen=True)
@@ -300,7 +298,9 @@ class SparseGPTStart(StartStage):
 @dataclass(frozen=True)
 class ADMMStart(StartStage):
     """ADMM pruning (Boza 2024, ``core.admm.admm_prune``): the mask is re-selected from ``|W + U|`` while the
-    weights compensate; the original's defaults. Use ``scope="layer"`` for the original's layer-wise top-k.
+    weights compensate; the original's defaults. Use ``scope="layer"`` for the original's layer-wise top-k. An
+    already pruned tensor is pruned again within its mask, each row pruning ``sparsity`` of what it keeps (as the
+    score starts do; not N:M). The start of :data:`~sparseswaps_prune.core.spec.SPARSESWAPS_SPEC`.
 
     Attributes:
         iters: ADMM iterations; reselect_iters: the first this many re-select the mask.
@@ -310,6 +310,7 @@ class ADMMStart(StartStage):
     kind: ClassVar[str] = "admm"
     names: ClassVar[tuple[str, ...]] = ("admm",)
     computes_weights: ClassVar[bool] = True
+    prunes_again: ClassVar[bool] = True
     rows_apart: ClassVar[str | None] = "it is not verified row by row (float32 products on the transposed layer)"
     iters: int = admm.ADMM_ITERS
     reselect_iters: int = admm.ADMM_RESELECT_ITERS
@@ -329,7 +330,7 @@ class ADMMStart(StartStage):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         out = admm_prune(
             weight, gram, **budget.pattern, iters=self.iters, reselect_iters=self.reselect_iters, rho=self.rho,
-            damp=self.damp,
+            damp=self.damp, prior_mask=ctx.prior_mask,
         )  # fmt: skip
         return out.keep_mask, out.weight if ctx.weights.wants_start_weights else None
 

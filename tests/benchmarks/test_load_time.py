@@ -21,4 +21,3 @@ def test_alternates_variants_and_flags_a_different_load(benchmark_script, capsys
     monkeypatch.setattr(bench, "_load", lambda variant: {"seconds": 1.0, "digest": next(digests)})
     bench.main(["1"])
     assert capsys.readouterr().out.splitlines()[-1].endswith("same tensors and token ids: NO")
-

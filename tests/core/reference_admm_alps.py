@@ -333,3 +333,42 @@ def cg_batch(A, B, A_supp, M_bmm=None, X0=None, rtol=1e-3, atol=0.0, maxiter=Non
             break
 
     return X_k
+
+
+def admm_per_out_within(weight, XX, sparsity, prior, percdamp=0.1, iterative_prune=15, iters=20):
+    """Oracle for iterative pruning (ours; the original prunes dense layers): ``admm_fasterprune``'s ``per_out``
+    loop in float64, each output row selecting within ``prior`` (kept = True) by its own threshold on the
+    ``(W + U)`` magnitudes of the weights the prior keeps: ``floor(kept * cur_sparsity)`` of them pruned per step,
+    ``round(kept * sparsity)`` at the last (the project's count rule). Returns ``(weight, keep mask)``."""
+    XX = XX.clone().double()
+    norm = torch.diag(XX).sqrt() + 1e-8
+    XX = XX / norm
+    XX = (XX.T / norm).T
+    W = (weight.double() * prior * norm).T
+    diag = torch.arange(XX.shape[0])
+    XX[diag, diag] += percdamp * torch.diag(XX).mean()
+    XY = XX.matmul(W)
+    XX[diag, diag] += 1
+    XXinv = torch.inverse(XX)
+    U = torch.zeros_like(W)
+    prior_t = prior.T
+    kept = prior.sum(1).tolist()
+
+    def within(values, cur, last):
+        mask = torch.zeros_like(prior_t)
+        for j in range(values.shape[1]):  # one output row at a time
+            pruned = round(kept[j] * sparsity) if last else min(int(kept[j] * cur), round(kept[j] * sparsity))
+            inside = values[prior_t[:, j], j]
+            thres = inside.sort()[0][pruned] if pruned < len(inside) else float("inf")
+            mask[:, j] = prior_t[:, j] & (values[:, j] >= thres)
+        return mask
+
+    mask = None
+    for itt in range(iters):
+        if itt < iterative_prune:
+            cur = sparsity - sparsity * (1 - (itt + 1) / iterative_prune) ** 3
+            mask = within((W + U).abs(), cur, itt + 1 == iterative_prune)
+        Z = (W + U) * mask
+        U = U + (W - Z)
+        W = XXinv.matmul(XY + 1 * (Z - U))
+    return ((W + U) * mask).T / norm, mask.T

@@ -5,7 +5,7 @@ from sparseswaps_prune import row_losses, warmstart_mask
 from sparseswaps_prune.core.admm import ADMMResult, admm_prune, admm_update
 from sparseswaps_prune.core.losses import weight_losses
 from tests.core.reference import layer_problem
-from tests.core.reference_admm_alps import admm_fasterprune, admm_fixed_mask
+from tests.core.reference_admm_alps import admm_fasterprune, admm_fixed_mask, admm_per_out_within
 
 
 def problem(d_out=16, d_in=64, seed=0):
@@ -103,6 +103,35 @@ def test_gram_scale_does_not_matter():
     b = admm_prune(weight, gram / 4096, sparsity=0.5, dtype=torch.float64)
     assert torch.equal(a.keep_mask, b.keep_mask)
     torch.testing.assert_close(a.weight, b.weight, rtol=1e-7, atol=1e-9)
+
+
+@pytest.mark.parametrize("sparsity", [0.5, 0.6])
+def test_prior_mask_matches_the_per_row_oracle_within_it(sparsity):
+    weight, gram = problem(d_out=12, d_in=48, seed=8)
+    prior = torch.rand(12, 48, generator=torch.Generator().manual_seed(1)) > 0.3
+    given = torch.where(prior, weight, 0.0).double()
+    res = admm_prune(given, gram.double(), sparsity=sparsity, scope="row", dtype=torch.float64, prior_mask=prior)
+    want_w, want_keep = admm_per_out_within(weight, gram, sparsity, prior)
+    assert torch.equal(res.keep_mask, want_keep)
+    torch.testing.assert_close(res.weight, want_w, rtol=1e-9, atol=1e-11)
+    kept = prior.sum(1)
+    assert not (res.keep_mask & ~prior).any()
+    assert torch.equal(res.keep_mask.sum(1), kept - torch.round(sparsity * kept).long())
+    layer = admm_prune(given, gram.double(), sparsity=sparsity, dtype=torch.float64, prior_mask=prior)
+    assert torch.equal(layer.keep_mask, res.keep_mask)  # within a prior, rows count apart whatever the scope
+
+
+def test_all_true_prior_mask_is_no_prior_and_nm_refuses_one():
+    weight, gram = problem(seed=9)
+    every = torch.ones_like(weight, dtype=torch.bool)
+    for reselect_iters in (15, 0):
+        a = admm_prune(weight, gram, sparsity=0.6, scope="row", reselect_iters=reselect_iters)
+        b = admm_prune(weight, gram, sparsity=0.6, scope="row", reselect_iters=reselect_iters, prior_mask=every)
+        assert torch.equal(a.keep_mask, b.keep_mask) and torch.equal(a.weight, b.weight)
+    with pytest.raises(ValueError, match="N:M pruning of an already pruned tensor"):
+        admm_prune(weight, gram, nm=(2, 4), prior_mask=every)
+    with pytest.raises(TypeError, match="prior_mask must be a bool"):
+        admm_prune(weight, gram, sparsity=0.5, prior_mask=every.float())
 
 
 def test_bad_inputs_raise():

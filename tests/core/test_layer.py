@@ -34,7 +34,7 @@ def test_default_spec_is_sparseswaps_masks_only():
     weight, acc, _ = problem()
     out = prune_layer(torch.nn.Parameter(weight), acc.gram)  # a layer's weight: the outcome carries no graph
     assert not (out.loss.start.requires_grad or out.loss.final.requires_grad)
-    start = warmstart_mask(weight, "ria", sparsity=0.6, gram=acc.gram)
+    start = admm_prune(weight, acc.gram, sparsity=0.6, scope="row").keep_mask
     refined = refine_mask(weight, acc.gram, start, max_iters=25)
     assert SPARSESWAPS_SPEC.refine.max_iters == 25
     assert torch.equal(out.start_mask, start) and torch.equal(out.keep_mask, refined.mask)
@@ -172,8 +172,16 @@ def test_prior_mask_prunes_the_remaining_weights():
     assert not (out.keep_mask & ~prior).any()
     kept = prior.sum(1)
     assert torch.equal(out.keep_mask.sum(1), kept - torch.round(0.5 * kept).long())
+    default = prune_layer(weight, acc.gram, prior_mask=prior)  # ADMM's start within the prior, then the swaps
+    want = admm_prune(torch.where(prior, weight, 0.0), acc.gram, sparsity=0.6, scope="row", prior_mask=prior)
+    assert torch.equal(default.start_mask, want.keep_mask)
+    assert not (default.keep_mask & ~prior).any()
+    assert torch.equal(default.keep_mask.sum(1), kept - torch.round(0.6 * kept).long())
+    assert default.loss.refined.sum() < default.loss.start.sum()
     with pytest.raises(ValueError, match="already pruned"):
         prune_layer(weight, acc.gram, build_spec(REFIT, nm=(2, 4)), prior_mask=prior)
+    with pytest.raises(ValueError, match="already pruned"):
+        prune_layer(weight, acc.gram, build_spec(nm=(2, 4)), prior_mask=prior)
     with pytest.raises(ValueError, match=r"alps pruning of an already pruned tensor.*SPARSESWAPS_SPEC"):
         prune_layer(weight, acc.gram, RECIPES["best"].spec, prior_mask=prior)  # ALPS's start
 

@@ -8,6 +8,7 @@ import pytest
 
 from sparseswaps_prune.core.spec import (
     SPARSESWAPS_SPEC,
+    ADMMStart,
     Budget,
     DSnoTRefine,
     KeepWeights,
@@ -15,7 +16,6 @@ from sparseswaps_prune.core.spec import (
     NoRefine,
     OBSUpdate,
     PruneSpec,
-    ScoreStart,
     SparseGPTStart,
     SwapRefine,
     build_spec,
@@ -29,9 +29,9 @@ ALPS = RECIPES["alps"].spec
 def test_the_default_spec_is_sparseswaps_masks_only():
     assert build_spec() == PruneSpec() == SPARSESWAPS_SPEC == RECIPES["sparseswaps"].spec
     assert SPARSESWAPS_SPEC == PruneSpec(
-        budget=Budget(sparsity=0.6), start=ScoreStart("ria"), refine=SwapRefine(max_iters=25), weights=KeepWeights()
+        budget=Budget(sparsity=0.6), start=ADMMStart(), refine=SwapRefine(max_iters=25), weights=KeepWeights()
     )
-    assert SPARSESWAPS_SPEC.describe() == "60% per row: ria -> sparseswaps T=25 (mask) -> keep"
+    assert SPARSESWAPS_SPEC.describe() == "60% per row: admm -> sparseswaps T=25 (mask) -> keep"
     assert not SPARSESWAPS_SPEC.updates_weights
     assert build_spec(nm=(2, 4)).budget == Budget(nm=(2, 4), scope="row")
     assert SWAPS.describe() == "60% per row: wanda -> sparseswaps T=10 (mask) -> ls (diag ridge 0.1)"
@@ -41,11 +41,11 @@ def test_the_default_spec_is_sparseswaps_masks_only():
 @pytest.mark.parametrize(
     ("kwargs", "want"),
     [
-        ({"max_iters": 30}, "60% per row: ria -> sparseswaps T=30 (mask) -> keep"),
+        ({"max_iters": 30}, "60% per row: admm -> sparseswaps T=30 (mask) -> keep"),
         ({"start": "wanda", "eps": 1e-6}, "60% per row: wanda -> sparseswaps T=25 (mask) -> keep"),
         (
             {"objective": "refit", "weights": "ls"},
-            "60% per row: ria -> sparseswaps T=25 (refit) -> ls (diag ridge 0.1)",
+            "60% per row: admm -> sparseswaps T=25 (refit) -> ls (diag ridge 0.1)",
         ),
     ],
 )
@@ -181,8 +181,8 @@ def test_recipes_are_specs_that_options_change():
     )
     assert RECIPES["alps-swaps"].spec.weights == SWAPS.weights  # the re-fit objective's own re-fit
     # masks only, from ADMM's mask: what compare_methods.py's "start=admm,weights=keep" row ran (--max-iters 25)
-    assert RECIPES["sparseswaps-admm"].spec == build_spec(SWAPS, start="admm", weights="keep", max_iters=25)
-    assert RECIPES["sparseswaps-admm"].spec.describe() == "60% per row: admm -> sparseswaps T=25 (mask) -> keep"
+    assert RECIPES["sparseswaps"].spec == build_spec(SWAPS, start="admm", weights="keep", max_iters=25)
+    assert RECIPES["sparseswaps"].spec.describe() == "60% per row: admm -> sparseswaps T=25 (mask) -> keep"
     seventy = build_spec(ALPS, sparsity=0.7)
     assert seventy.budget == Budget(sparsity=0.7, scope="layer") and seventy.start == ALPS.start
     # N:M fixes every row's count: a layer-wise recipe selects per row, unless a scope is asked for
@@ -191,7 +191,7 @@ def test_recipes_are_specs_that_options_change():
         build_spec(RECIPES["sparsegpt"].spec, nm=(2, 4), scope="layer")
     for name, recipe in RECIPES.items():
         assert PruneSpec.from_dict(json.loads(json.dumps(recipe.spec.to_dict()))) == recipe.spec, name
-        assert recipe.updates_weights == (name not in ("sparseswaps", "sparseswaps-admm", "paper", "wanda")), name
+        assert recipe.updates_weights == (name not in ("sparseswaps", "paper", "wanda")), name
 
 
 def test_stages_are_type_checked():

@@ -1,6 +1,7 @@
 """Each stage does its own work behind its role's one method; prune_layer only composes them, so a new stage is one
 class (here a toy start and a toy weight stage that the library does not know)."""
 
+import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -158,7 +159,7 @@ def test_each_stage_checks_the_spec_it_is_built_into():
     with pytest.raises(ValueError, match=r"weights must be LeastSquares\(solver='direct'\)"):
         PruneSpec(refine=SwapRefine(objective="refit"), weights=LeastSquares(solver="cg"))
     with pytest.raises(ValueError, match="start 'ria' computes none"):
-        PruneSpec(refine=NoRefine(), weights=StartWeights())
+        PruneSpec(start=ScoreStart("ria"), refine=NoRefine(), weights=StartWeights())
     with pytest.raises(ValueError, match=r"the mask is refined \(sparseswaps\)"):
         PruneSpec(start=ALPSStart(), weights=StartWeights())
     with pytest.raises(ValueError, match="blocksize=6 must be a multiple of m=4"):
@@ -168,11 +169,14 @@ def test_each_stage_checks_the_spec_it_is_built_into():
 def test_each_stage_checks_the_layers_inputs_before_any_work():
     weight, _ = problem()
     prior = warmstart_mask(weight, "magnitude", sparsity=0.25)
-    with pytest.raises(ValueError, match="admm pruning of an already pruned tensor is not supported"):
-        ADMMStart().check_inputs(weight, ROW, StageContext(KeepWeights(), prior_mask=prior))
-    with pytest.raises(ValueError, match="N:M pruning of an already pruned tensor"):
-        ScoreStart().check_inputs(weight, Budget(nm=(2, 4)), StageContext(KeepWeights(), prior_mask=prior))
-    ScoreStart().check_inputs(weight, ROW, StageContext(KeepWeights(), prior_mask=prior))
+    with pytest.raises(ValueError, match="alps pruning of an already pruned tensor is not supported"):
+        ALPSStart().check_inputs(weight, ROW, StageContext(KeepWeights(), prior_mask=prior))
+    with pytest.raises(ValueError, match="sparsegpt pruning of an already pruned tensor is not supported"):
+        SparseGPTStart().check_inputs(weight, ROW, StageContext(KeepWeights(), prior_mask=prior))
+    for start in (ScoreStart(), ADMMStart()):  # they prune again within the prior, not N:M
+        with pytest.raises(ValueError, match="N:M pruning of an already pruned tensor"):
+            start.check_inputs(weight, Budget(nm=(2, 4)), StageContext(KeepWeights(), prior_mask=prior))
+        start.check_inputs(weight, ROW, StageContext(KeepWeights(), prior_mask=prior))
     with pytest.raises(ValueError, match="needs feature_stats"):
         DSnoTRefine().check_inputs(weight, ROW, KEEP)
 
@@ -239,10 +243,10 @@ def test_a_new_start_plugs_in_without_touching_prune_layer():
 def test_a_new_weight_stage_plugs_in_and_takes_the_guard():
     weight, acc = problem()
     held = torch.randn(40, 16, generator=torch.Generator().manual_seed(3))
-    spec = build_spec(sparsity=0.5, max_iters=3)
-    out = prune_layer(weight, acc.gram, PruneSpec(budget=spec.budget, refine=spec.refine, weights=Shrink()))
+    spec = build_spec(sparsity=0.5, max_iters=3, start="wanda")  # a score start: no start weights to fall back to
+    out = prune_layer(weight, acc.gram, dataclasses.replace(spec, weights=Shrink()))
     assert torch.equal(out.weight, torch.where(out.keep_mask, weight * 0.9, 0.0))
-    guarded = PruneSpec(budget=spec.budget, refine=spec.refine, weights=Shrink(factor=3.0, guard=True))
+    guarded = dataclasses.replace(spec, weights=Shrink(factor=3.0, guard=True))
     out = prune_layer(weight, acc.gram, guarded, holdout_gram=held.T @ held)
     assert out.updated_rows == 0.0  # tripling the kept weights never lowers the held-out loss
     assert torch.equal(out.weight, torch.where(out.keep_mask, weight, 0.0))

@@ -173,7 +173,7 @@ def test_prune_layer_validates_the_tensors_once():
         if event == "call" and frame.f_code.co_filename.endswith("core/checks.py"):
             calls[frame.f_code.co_name] += 1
 
-    spec = build_spec(SPARSESWAPS_SPEC, sparsity=0.5, refine="none")
+    spec = build_spec(SPARSESWAPS_SPEC, sparsity=0.5, refine="none", start="ria")
     sys.setprofile(count)
     try:
         prune_layer(W, G, spec, holdout_gram=G)

@@ -74,15 +74,16 @@ def test_cli_and_python_defaults_build_the_same_job():
     recipe = job_config(build_parser().parse_args(["prune", "--out", "x", "--recipe", "alps", "--sparsity", "0.7"]))
     assert recipe.prune.spec == build_spec(RECIPES["alps"].spec, sparsity=0.7)
     assert recipe.prune.block_tune_epochs == 0  # a published recipe runs as published
-    admm_mask = job_config(build_parser().parse_args(["prune", "--out", "x", "--recipe", "sparseswaps-admm"]))
+    namesake = job_config(build_parser().parse_args(["prune", "--out", "x", "--recipe", "sparseswaps"]))
     assert (
-        admm_mask.prune.spec
-        == PruneOptions(recipe="sparseswaps-admm").spec
-        == SparseSwapsPruning(recipe="sparseswaps-admm").spec
+        namesake.prune.spec
+        == PruneOptions(recipe="sparseswaps").spec
+        == SparseSwapsPruning(recipe="sparseswaps").spec
+        == SPARSESWAPS_SPEC
     )
-    assert (
-        admm_mask.prune.spec == build_spec(SPARSESWAPS_SPEC, start="admm") and not admm_mask.prune.spec.updates_weights
-    )
+    assert namesake.prune.spec.start.name == "admm" and not namesake.prune.spec.updates_weights
+    ria = job_config(build_parser().parse_args(["prune", "--out", "x", "--recipe", "sparseswaps", "--start", "ria"]))
+    assert ria.prune.spec == build_spec(SPARSESWAPS_SPEC, start="ria") == SparseSwapsPruning(start="ria").spec
     tuned = job_config(
         build_parser().parse_args(["prune", "--out", "x", "--recipe", "alps", "--block-tune-epochs", "2"])
     )
