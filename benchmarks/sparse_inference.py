@@ -13,7 +13,13 @@
     calibration): only its sparsity pattern matters for speed.
 (c) Resident memory of the same models, dense and sparsified: tensor bytes, and the resident set of a fresh process
     that loads the model (``/proc/self/status``, Linux).
-(d) Checkpoint size on disk: ``save_pretrained`` against ``save_sparse``, float32 and bfloat16.
+(d) Checkpoint size on disk: ``save_pretrained`` against ``save_sparse`` and ``save_sparse(compress=True)``
+    (lossless: byte planes under zlib), float32 and bfloat16, with the seconds to save and to load each sparse one
+    (``load_sparse``) and a bit-for-bit check of both. ``--checkpoint`` prints this section alone, for the model's
+    own weights (``own``) and for the same model with its weights redrawn from a normal distribution of each
+    tensor's own mean and standard deviation (``normal``): the default model is de-quantized from a 4-bit GGUF, so
+    its float32 values take few distinct low mantissa bits and compress far better than those of a model trained
+    and saved in full precision, which the redrawn rows stand in for.
 (e) The least size the format allows (:func:`~sparseswaps_prune.deploy.bench.size_bound`): the decoder blocks'
     linear weights pruned (what ``sparseswaps prune`` prunes) and stored as their bitmask plus the kept values,
     everything else (embeddings, an untied ``lm_head``, norms) as it is; from the configs alone (a model on the meta
@@ -233,16 +239,7 @@ def model_sections(quick: bool, config: dict, repeats: int) -> None:
             pruned = prune_model_(base, sparsity)
             # (d) checkpoint size, float32 and bfloat16
             for dtype in (torch.float32, torch.bfloat16):
-                model = base.to(dtype)
-                dense_dir, sparse_dir = Path(tmp) / f"dense-{dtype}", Path(tmp) / f"sparse-{dtype}"
-                model.save_pretrained(dense_dir)
-                report = save_sparse(model, sparse_dir, tokenizer=tokenizer)
-                back = load_sparse(sparse_dir)
-                same = all(bit_equal(v, back.state_dict()[k]) for k, v in model.state_dict().items())
-                d_bytes, s_bytes = dir_bytes(dense_dir, "*.safetensors"), dir_bytes(sparse_dir, "*.safetensors")
-                disk_rows.append(
-                    (sparsity, str(dtype).removeprefix("torch."), d_bytes, s_bytes, same, len(report.encoded))
-                )
+                disk_rows.append(checkpoint_row(base.to(dtype), tokenizer, Path(tmp), sparsity, "own"))
                 base.to(torch.float32)
             # (c) memory: tensor bytes here, resident set in fresh processes
             dense_tensor = tensor_bytes(base)
@@ -320,14 +317,79 @@ def model_sections(quick: bool, config: dict, repeats: int) -> None:
                 else " " + " ".join(f"{'-':>7}" for _ in range(2)) + f" {'-':>6}"
             )
         print(line)
-    print("\n(d) checkpoint size on disk (weights files): save_pretrained vs save_sparse")
+    print_checkpoint_table(disk_rows)
+
+
+def checkpoint_row(model: nn.Module, tokenizer, tmp: Path, sparsity: float, weights: str) -> dict:
+    """Section (d)'s row for ``model`` (already pruned): saved dense, sparse and sparse compressed into ``tmp``
+    (``sparse-<dtype>`` stays for the other sections), each sparse one timed and loaded back bit for bit."""
+    dtype = next(model.parameters()).dtype
+    dense_dir = tmp / f"dense-{dtype}"
+    model.save_pretrained(dense_dir)
+    row = {"sparsity": sparsity, "dtype": str(dtype).removeprefix("torch."), "weights": weights}
+    row["dense"] = dir_bytes(dense_dir, "*.safetensors")
+    want = model.state_dict()
+    for variant, compress in (("sparse", False), ("packed", True)):
+        directory = tmp / f"{variant}-{dtype}"
+        start = time.perf_counter()
+        report = save_sparse(model, directory, tokenizer=tokenizer, compress=compress)
+        row[f"{variant}_save_s"] = time.perf_counter() - start
+        start = time.perf_counter()
+        back = load_sparse(directory).state_dict()
+        row[f"{variant}_load_s"] = time.perf_counter() - start
+        row[variant] = dir_bytes(directory, "*.safetensors")
+        row[f"{variant}_same"] = all(bit_equal(v, back[k]) for k, v in want.items())
+        row["encoded"] = len(report.encoded)
+    return row
+
+
+def redraw_normal_(model: nn.Module, seed: int = 0) -> None:
+    """Replace every floating tensor of ``model`` with more than one entry by draws from a normal distribution of
+    its own mean and standard deviation (float32 draws, seeded), in place: full-precision values of the same
+    shapes and scales (``--checkpoint``'s ``normal`` rows)."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for tensor in model.state_dict().values():
+            if tensor.dtype.is_floating_point and tensor.numel() > 1:
+                values = tensor.float()
+                draw = torch.randn(tensor.shape, generator=generator) * values.std() + values.mean()
+                tensor.copy_(draw)
+
+
+def checkpoint_sections(quick: bool, config: dict) -> list[dict]:
+    """``--checkpoint``: section (d) alone, on the default (or tiny) model's weights and on normal redraws of them."""
+    base, tokenizer = load_base_model(quick)
+    state = {k: v.clone() for k, v in base.state_dict().items()}
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for weights in ("own", "normal"):
+            for sparsity in config["model_sparsities"]:
+                base.load_state_dict(state)
+                if weights == "normal":
+                    redraw_normal_(base)
+                prune_model_(base, sparsity)
+                for dtype in (torch.float32, torch.bfloat16):
+                    rows.append(checkpoint_row(base.to(dtype), tokenizer, Path(tmp), sparsity, weights))
+                    base.to(torch.float32)
+    print_checkpoint_table(rows)
+    return rows
+
+
+def print_checkpoint_table(rows: list[dict]) -> None:
+    print("\n(d) checkpoint size on disk (weights files): save_pretrained vs save_sparse, plain and compressed")
     print(
-        f"{'sparsity':>8} {'dtype':>8} {'dense MB':>9} {'sparse MB':>9} {'ratio':>6} {'encoded':>7} {'round trip':>10}"
+        f"{'sparsity':>8} {'dtype':>8} {'weights':>7} {'dense MB':>9} {'sparse MB':>9} {'ratio':>6} {'packed MB':>9} "
+        f"{'ratio':>6} {'save s':>6} {'save c':>6} {'load s':>6} {'load c':>6} {'encoded':>7} {'round trip':>10}"
     )
-    for sparsity, dtype, d_bytes, s_bytes, same, encoded in disk_rows:
+    for row in rows:
+        dense = row["dense"]
+        same = row["sparse_same"] and row["packed_same"]
         print(
-            f"{sparsity:>8.0%} {dtype:>8} {d_bytes / 2**20:>9.1f} {s_bytes / 2**20:>9.1f} "
-            f"{s_bytes / d_bytes:>6.3f} {encoded:>7} {'bit-exact' if same else 'DIFFERS':>10}"
+            f"{row['sparsity']:>8.0%} {row['dtype']:>8} {row['weights']:>7} {dense / 2**20:>9.1f} "
+            f"{row['sparse'] / 2**20:>9.1f} {row['sparse'] / dense:>6.3f} {row['packed'] / 2**20:>9.1f} "
+            f"{row['packed'] / dense:>6.3f} {row['sparse_save_s']:>6.2f} {row['packed_save_s']:>6.2f} "
+            f"{row['sparse_load_s']:>6.2f} {row['packed_load_s']:>6.2f} {row['encoded']:>7} "
+            f"{'bit-exact' if same else 'DIFFERS':>10}"
         )
 
 
@@ -399,6 +461,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--skip-layers", action="store_true", help="skip section (a)")
     parser.add_argument("--skip-model", action="store_true", help="skip sections (b), (c), (d)")
     parser.add_argument("--bound", action="store_true", help="print section (e) alone (seconds)")
+    parser.add_argument(
+        "--checkpoint", action="store_true", help="print section (d) alone, with normal-redrawn weights too"
+    )
     args = parser.parse_args(argv)
     config = QUICK if args.quick else FULL
     repeats = args.repeats or (2 if args.quick else 3)
@@ -406,6 +471,10 @@ def main(argv: list[str] | None = None) -> None:
     set_threads(1)
     print("machine:", machine_line())
     print("kernel:", default_kernel())
+    if args.checkpoint:
+        checkpoint_sections(args.quick, config)
+        print(f"\ntotal {time.perf_counter() - start:.0f} s; load average now {os.getloadavg()[0]:.2f}")
+        return
     if not args.skip_layers and not args.bound:
         rows = layer_table(config["shapes"], config["sparsities"], config["batches"], repeats, config["csr_batches"])
         print_layer_table(rows)

@@ -21,9 +21,15 @@ Directory layout (self-contained: ``load_sparse(dir)`` needs nothing else):
       {"format": "sparseswaps-sparse", "format_version": 1, "bit_order": "little", "min_sparsity": 0.3,
        "model_class": "LlamaForCausalLM", "dtype": "float32",
        "tensors": {"<name>": {"shape": [..], "dtype": "bfloat16", "encoding": "bitmask" | "dense" | "alias",
-                              "sparsity": 0.6, "nm": [2, 4] | null, "zero_signs": false, "alias_of": "<name>"}}}
+                              "sparsity": 0.6, "nm": [2, 4] | null, "zero_signs": false, "alias_of": "<name>",
+                              "codec": "zlib-planes", "values_numel": 123}}}
 
   ``nm`` is the N:M pattern along the rows of the tensor as stored (a GPT-2 ``Conv1D`` stores ``[d_in, d_out]``).
+  ``codec`` (``compress=True``; ``format_version`` 2, which readers before it refuse): the entry's floating-point
+  data (a bitmask entry's ``values``, a dense floating tensor) is stored losslessly compressed,
+  :mod:`~sparseswaps_prune.deploy.codec`'s byte planes under zlib, as ``uint8 [n]`` under the same name;
+  ``values_numel`` gives a compressed bitmask entry's count of values. Smaller files (the packaged SmolLM2 at 60%:
+  BENCHMARKS.md), slower to write and read; a file without ``codec`` is ``format_version`` 1, as before.
 
 * ``config.json`` (and ``generation_config.json``) of a transformers model, its ``architectures`` naming the model
   class as ``save_pretrained`` writes it, and the tokenizer files when a tokenizer is given.
@@ -38,6 +44,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -49,6 +56,7 @@ from typing import Any
 import torch
 
 from sparseswaps_prune.atomic import fsync_dir
+from sparseswaps_prune.deploy.codec import CODEC, compress_planes, decompress_planes
 from sparseswaps_prune.deploy.format import (
     DEFAULT_MIN_SPARSITY,
     check_bitmask,
@@ -79,7 +87,9 @@ SPARSE_FILE = "model.sparse.safetensors"
 """File name of the weights in a sparse checkpoint directory."""
 
 FORMAT_NAME = "sparseswaps-sparse"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""The newest format version this module reads: 2 when some tensor is compressed (``codec``), else 1 (written as 1
+then, so that earlier readers load it)."""
 METADATA_KEY = "sparseswaps_sparse"
 """Key of the JSON metadata entry in the safetensors header."""
 
@@ -142,13 +152,15 @@ def _storage_key(tensor: torch.Tensor) -> tuple[Any, ...]:
 
 
 def encode_state_dict(
-    state_dict: Mapping[str, torch.Tensor], min_sparsity: float = DEFAULT_MIN_SPARSITY
+    state_dict: Mapping[str, torch.Tensor], min_sparsity: float = DEFAULT_MIN_SPARSITY, compress: bool = False
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Encode a state dict into the tensors and the per-tensor metadata of a sparse checkpoint.
 
     Args:
         state_dict: name -> tensor (any device); not modified.
         min_sparsity: the least fraction of zero entries for a 2-D floating tensor to be bitmask-encoded.
+        compress: store the floating-point data (kept values, dense floating tensors) losslessly compressed
+            (the entry's ``codec``, see the module docstring).
 
     Returns:
         ``(tensors, entries)``: the CPU tensors to write (``<name>``, or ``<name>.bitmask`` and ``<name>.values``)
@@ -161,6 +173,8 @@ def encode_state_dict(
     """
     if not isinstance(min_sparsity, (int, float)) or not 0.0 <= min_sparsity <= 1.0:
         raise ValueError(f"min_sparsity must be a number in [0, 1], got {min_sparsity!r}")
+    if not isinstance(compress, bool):
+        raise TypeError(f"compress must be True or False, got {compress!r}")
     leftover = [name for name in state_dict if name.endswith(("weight_orig", "weight_mask"))]
     if leftover:
         raise ValueError(
@@ -193,9 +207,15 @@ def encode_state_dict(
                 "nm": list(nm) if nm else None,
                 "zero_signs": zero_signs is not None,
             }
+            if compress:
+                stored[f"{name}.values"] = compress_planes(values)
+                entry |= {"codec": CODEC, "values_numel": values.numel()}
         else:
             stored = {name: tensor.detach().cpu().contiguous()}
             entry |= {"encoding": "dense"}
+            if compress and tensor.dtype.is_floating_point:
+                stored[name] = compress_planes(stored[name])
+                entry |= {"codec": CODEC}
         for stored_name, value in stored.items():
             if stored_name in tensors or (stored_name in state_dict and stored_name != name):
                 raise ValueError(
@@ -241,6 +261,7 @@ def write_sparse_files(
     *,
     tokenizer: Any = None,
     min_sparsity: float = DEFAULT_MIN_SPARSITY,
+    compress: bool = False,
 ) -> SparseSaveReport:
     """Write a sparse checkpoint's files into an existing directory, replacing files of the same names.
 
@@ -253,7 +274,7 @@ def write_sparse_files(
         directory: an existing directory.
         tokenizer: None, a tokenizer object (``save_pretrained`` is called), or a directory whose tokenizer files
             (:data:`TOKENIZER_FILES`) are copied.
-        min_sparsity: see :func:`encode_state_dict`.
+        min_sparsity, compress: see :func:`encode_state_dict`.
 
     Returns:
         A :class:`SparseSaveReport`.
@@ -264,11 +285,11 @@ def write_sparse_files(
     from safetensors.torch import save_file
 
     directory = Path(directory)
-    tensors, entries = encode_state_dict(model.state_dict(), min_sparsity)
+    tensors, entries = encode_state_dict(model.state_dict(), min_sparsity, compress)
     dtype = _model_dtype(model)
     metadata = {
         "format": FORMAT_NAME,
-        "format_version": FORMAT_VERSION,
+        "format_version": 2 if any("codec" in entry for entry in entries.values()) else 1,
         "bit_order": "little",
         "min_sparsity": min_sparsity,
         "model_class": type(model).__name__,
@@ -316,6 +337,7 @@ def save_sparse(
     *,
     tokenizer: Any = None,
     min_sparsity: float = DEFAULT_MIN_SPARSITY,
+    compress: bool = False,
 ) -> SparseSaveReport:
     """Save ``model`` as a self-contained sparse checkpoint directory, atomically.
 
@@ -328,7 +350,8 @@ def save_sparse(
             are saved from their dense ``weight``.
         out_dir: the checkpoint directory: new, empty, or an earlier sparse save (which is replaced).
         tokenizer: see :func:`write_sparse_files`.
-        min_sparsity: see :func:`encode_state_dict`.
+        min_sparsity, compress: see :func:`encode_state_dict` (``compress=True``: the kept values and the dense
+            floating tensors losslessly compressed, a smaller file that is slower to write and read).
 
     Returns:
         A :class:`SparseSaveReport` (with ``path = out_dir``).
@@ -354,7 +377,7 @@ def save_sparse(
     parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=parent, prefix=f".{out.name}.", suffix=".tmp"))
     try:
-        report = write_sparse_files(model, tmp, tokenizer=tokenizer, min_sparsity=min_sparsity)
+        report = write_sparse_files(model, tmp, tokenizer=tokenizer, min_sparsity=min_sparsity, compress=compress)
         fsync_dir(tmp)
         if replacing:
             old = tmp.with_suffix(".old")
@@ -408,6 +431,12 @@ def _parse_entry(path: Path, name: str, entry: Any) -> tuple[tuple[int, ...], to
         raise ValueError(f"{where}: metadata encoding {encoding!r} is not one of {list(_ENCODINGS)}")
     if encoding == "bitmask" and len(shape) != 2:
         raise ValueError(f"{where}: a bitmask-encoded tensor must be 2-D, metadata shape is {shape}")
+    codec = entry.get("codec")
+    if codec is not None and (codec != CODEC or encoding == "alias"):
+        raise ValueError(f"{where}: metadata codec {codec!r} is not {CODEC!r} on a dense or bitmask entry")
+    numel = entry.get("values_numel")
+    if codec is not None and encoding == "bitmask" and not (isinstance(numel, int) and numel >= 0):
+        raise ValueError(f"{where}: a compressed bitmask entry needs values_numel, a count, got {numel!r}")
     return tuple(shape), _DTYPES[dtype], encoding
 
 
@@ -471,9 +500,13 @@ def _read_checkpoint(
                 shape, dtype, encoding = _parse_entry(path, name, entry)
                 if encoding == "alias":
                     continue
+                codec = entry.get("codec")
                 if encoding == "dense":
                     expected.add(name)
                     tensor = get(name, name)
+                    if codec is not None:
+                        numel = math.prod(shape)
+                        tensor = decompress_planes(tensor, dtype, numel, f"{path}: tensor {name!r}").reshape(shape)
                     if tensor.dtype != dtype or tuple(tensor.shape) != shape:
                         raise ValueError(
                             f"{path}: tensor {name!r}: stored as {tensor.dtype} {tuple(tensor.shape)}, metadata says "
@@ -484,6 +517,9 @@ def _read_checkpoint(
                     parts = ["bitmask", "values"] + (["zero_signs"] if entry.get("zero_signs") else [])
                     expected |= {f"{name}.{part}" for part in parts}
                     got = {part: get(name, f"{name}.{part}") for part in parts}
+                    if codec is not None:
+                        where = f"{path}: tensor {name!r} values"
+                        got["values"] = decompress_planes(got["values"], dtype, entry["values_numel"], where)
                     args = (
                         got["bitmask"],
                         got["values"],

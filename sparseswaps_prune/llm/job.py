@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -37,6 +38,7 @@ from sparseswaps_prune.core.checks import check_bool, check_choice, check_device
 from sparseswaps_prune.core.spec import NoRefine
 from sparseswaps_prune.deploy import write_sparse_files
 from sparseswaps_prune.deploy.bench import bench_model
+from sparseswaps_prune.finetune.train import ADAPTERS, finetune_causal_lm
 from sparseswaps_prune.llm import checkpoint
 from sparseswaps_prune.llm.data import check_source, check_window_budget
 from sparseswaps_prune.llm.distributed import (
@@ -67,6 +69,8 @@ _WEIGHT_FILES = re.compile(
     r"(model|pytorch_model)(-\d+-of-\d+)?\.(safetensors|bin)|(model\.safetensors|pytorch_model\.bin)\.index\.json"
     r"|model\.sparse\.safetensors"
 )
+SAVE_FORMATS = ("dense", "sparse", "sparse-compressed")
+"""``JobConfig.save_format``'s values (``--save-format``)."""
 SEED_LIMIT = 2**64
 """Seeds are ints in ``[0, SEED_LIMIT)``: what ``torch.Generator.manual_seed`` takes (a negative seed aliases a
 positive one)."""
@@ -113,10 +117,12 @@ class JobConfig:
             ``calib_shards``, bit for bit. With ``blockwise`` every rank reads the checkpoint block by block
             (:func:`~sparseswaps_prune.llm.streaming.prune_checkpoint` with ``distributed=True``) and rank 0 alone
             writes the output shards. Every rank returns rank 0's report once rank 0 has written it.
-        save_format: ``"dense"`` (``save_pretrained``: the pruned weights with their zeros) or ``"sparse"``
+        save_format: ``"dense"`` (``save_pretrained``: the pruned weights with their zeros), ``"sparse"``
             (:func:`sparseswaps_prune.deploy.write_sparse_files`: a bitmask and the kept values per pruned linear, the
             pruned linears in 0.43x (fp32) / 0.46x (bf16) of their dense bytes at 60%; load with
-            :func:`sparseswaps_prune.deploy.load_sparse`). Not with ``blockwise``.
+            :func:`sparseswaps_prune.deploy.load_sparse`) or ``"sparse-compressed"`` (the same, the kept values and
+            the dense floating tensors losslessly compressed: smaller, slower to write and load). Not with
+            ``blockwise``.
         bench: after saving, measure what deployment gains (:func:`sparseswaps_prune.deploy.bench.bench_model`, as
             ``sparseswaps bench``): size on disk, resident memory and greedy-decoding tokens per second of the pruned
             model dense against sparse, on the CPU; ``report.json`` then holds them under ``bench`` and the summary
@@ -129,6 +135,18 @@ class JobConfig:
             group initialised by the caller keeps its own timeout). Raise it if one rank's share of a block, or rank
             0's perplexity evaluation or save (the other ranks wait for it), takes longer than this. Setting it
             without ``distributed`` is refused.
+        finetune_steps: after pruning (and its perplexity), fine-tune the whole pruned model with PERP for this
+            many AdamW steps (:func:`~sparseswaps_prune.finetune.train.finetune_causal_lm`: ``finetune_adapter``
+            adapters of rank ``finetune_rank`` on every linear of the decoder blocks, biases and norms trained, at
+            ``finetune_lr``, seeded with ``seed``; adapters merged, so the pruned zeros stay exactly zero) on the
+            calibration windows cut in halves (:data:`FINETUNE_BATCH` of them per step), then measure perplexity
+            again (``report["perplexity"]["finetuned"]``) and save the fine-tuned model. 0 (default): no
+            fine-tune. On the default model at 60%, 20 steps after the ``best`` recipe take its perplexity from
+            30.88 to 24.96 on the built-in evaluation text and from 50.33 to 45.55 on stdlib-prose (RESULTS.md),
+            for about 150 s on the 2-core CPU. Runs on rank 0 alone under ``distributed``; not with ``blockwise``.
+            A resumed run repeats it from the checkpointed pruned model.
+        finetune_lr, finetune_adapter, finetune_rank: the fine-tune's learning rate, adapter (``masklora``,
+            ``scalelora``, ``lora``, ``none``) and rank; setting them without ``finetune_steps`` is refused.
     """
 
     model: str | None = None
@@ -150,6 +168,10 @@ class JobConfig:
     collective_timeout: float = DEFAULT_COLLECTIVE_TIMEOUT
     save_format: str = "dense"
     bench: bool = False
+    finetune_steps: int = 0
+    finetune_lr: float = 1e-3
+    finetune_adapter: str = "masklora"
+    finetune_rank: int = 16
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict (``from_dict`` inverts it)."""
@@ -176,11 +198,12 @@ class JobConfig:
         if self.eval is not None and self.seqlen < 2:
             raise ValueError(f"seqlen must be at least 2 to evaluate perplexity, got {self.seqlen}; or set eval=None")
         check_int(self.seed, "seed (--seed)", low=0, below=SEED_LIMIT)
-        check_choice(self.save_format, "save_format (--save-format)", ("dense", "sparse"))
-        if self.blockwise and self.save_format == "sparse":
+        check_choice(self.save_format, "save_format (--save-format)", SAVE_FORMATS)
+        if self.blockwise and self.save_format != "dense":
             raise ValueError(
-                "save_format='sparse' (--save-format sparse) needs the whole pruned model, which blockwise=True "
-                "(--blockwise) never holds: save dense, then convert with sparseswaps_prune.deploy.save_sparse"
+                f"save_format={self.save_format!r} (--save-format {self.save_format}) needs the whole pruned model, "
+                "which blockwise=True (--blockwise) never holds: save dense, then convert with "
+                "sparseswaps_prune.deploy.save_sparse"
             )
         check_bool(self.bench, "bench (--bench)")
         if self.blockwise and self.bench:
@@ -207,6 +230,7 @@ class JobConfig:
                 "distributed=True (--distributed), which is off: add --distributed (under torchrun) or drop "
                 "--row-shards"
             )
+        self._check_finetune()
         check_collective_timeout(self.collective_timeout)
         if not self.distributed and self.collective_timeout != DEFAULT_COLLECTIVE_TIMEOUT:
             raise ValueError(
@@ -217,6 +241,27 @@ class JobConfig:
         check_window_budget(self.nsamples, self.seqlen, self.holdout)
         if self.blockwise:
             self._check_blockwise()
+
+    def _check_finetune(self) -> None:
+        check_int(self.finetune_steps, "finetune_steps (--finetune-steps)", low=0)
+        if not self.finetune_steps:
+            check_unused(
+                self, _FINETUNE_OPTIONS, owner="the fine-tune after pruning", fix="add --finetune-steps N or drop them",
+                off="finetune_steps is 0 (no fine-tune)",
+            )  # fmt: skip
+            return
+        if isinstance(self.finetune_lr, bool) or not isinstance(self.finetune_lr, (int, float)):
+            raise TypeError(f"finetune_lr (--finetune-lr) must be a number, got {self.finetune_lr!r}")
+        if not (math.isfinite(self.finetune_lr) and self.finetune_lr > 0):
+            raise ValueError(f"finetune_lr (--finetune-lr) must be a positive number, got {self.finetune_lr!r}")
+        check_choice(self.finetune_adapter, "finetune_adapter (--finetune-adapter)", ADAPTERS)
+        check_int(self.finetune_rank, "finetune_rank (--finetune-rank)", low=1)
+        if self.blockwise:
+            raise ValueError(
+                "finetune_steps (--finetune-steps) fine-tunes the whole pruned model, which blockwise=True "
+                "(--blockwise) never holds: drop --finetune-steps, or fine-tune the saved model afterwards "
+                "(sparseswaps_prune.finetune.finetune_causal_lm)"
+            )
 
     def _check_blockwise(self) -> None:
         from sparseswaps_prune.llm.models import resolve_source
@@ -241,6 +286,13 @@ _EVAL_OPTIONS = {
     for name, flag in (("eval_windows", "eval-windows"), ("eval_warmstart", "no-eval-warmstart"))
 }
 """The evaluation's options: name -> (CLI flag, default)."""
+_FINETUNE_OPTIONS = {
+    name: (name.replace("_", "-"), getattr(JobConfig, name))
+    for name in ("finetune_lr", "finetune_adapter", "finetune_rank")
+}
+"""The fine-tune's options: name -> (CLI flag, default)."""
+FINETUNE_BATCH = 4
+"""Training windows per fine-tune step (each half a calibration window: 4 x 128 tokens at the default seqlen)."""
 
 
 def check_out_dir(out: Path) -> None:
@@ -444,6 +496,7 @@ def run_job(
         with masks_swapped(model, result.warmstart_masks, result.dense_weights):
             warm = ppl()
     finalize(model)
+    tuned = _finetune(model, calib, config, progress) if config.finetune_steps else None
     report = {
         "config": config.to_dict(),
         "model": config.model or DEFAULT_MODEL_NAME,
@@ -454,10 +507,14 @@ def run_job(
         "seconds": {"prune": result.seconds, "wall": time.perf_counter() - start},
         "numerics": numerics,
     }
+    if tuned is not None:
+        report["perplexity"]["finetuned"] = ppl()
+        report["finetune"] = tuned
+        report["seconds"]["wall"] = time.perf_counter() - start
 
     def write_model(staging: Path) -> list[LayerReport]:
-        if config.save_format == "sparse":
-            write_sparse_files(model, staging, tokenizer=tokenizer)
+        if config.save_format != "dense":
+            write_sparse_files(model, staging, tokenizer=tokenizer, compress=config.save_format == "sparse-compressed")
         else:
             model.save_pretrained(staging)
             tokenizer.save_pretrained(staging)
@@ -469,6 +526,31 @@ def run_job(
     publish(report)
     _remove_leftovers(out)
     return report if ranks is None else ranks.broadcast(report, src=0)
+
+
+def _finetune(model: torch.nn.Module, calib: torch.Tensor, config: JobConfig, progress: bool) -> dict[str, Any]:
+    """PERP on the pruned model (``finetune_steps``, see :class:`JobConfig`); returns the report's ``finetune``
+    entry. The model runs on ``config.device`` and comes back to where it was, its pruned zeros exactly zero."""
+    home = next(model.parameters()).device
+    seqlen = calib.shape[1]
+    length = seqlen // 2 if seqlen % 2 == 0 and seqlen >= 4 else seqlen
+    model.to(config.device)
+    result = finetune_causal_lm(
+        model,
+        calib.reshape(-1, length),
+        steps=config.finetune_steps,
+        lr=config.finetune_lr,
+        batch_size=FINETUNE_BATCH,
+        adapter=config.finetune_adapter,
+        rank=config.finetune_rank,
+        merge=True,
+        seed=config.seed,
+        progress=progress,
+    )
+    model.to(home)
+    for param in model.parameters():
+        param.requires_grad_(False)
+    return {"steps": config.finetune_steps, "window": length, "losses": result.losses, "seconds": result.seconds}
 
 
 BENCH_PROMPT = "The capital of France is Paris, and"
@@ -688,9 +770,17 @@ def summary(report: dict[str, Any]) -> str:
             f"{tunes[0]['epochs']}, {sum(t['seconds'] for t in tunes):.0f} s"
         )
     fmt = lambda v: "n/a" if v is None else f"{v:.3f}"  # noqa: E731
+    tuned = f" | fine-tuned {fmt(ppl['finetuned'])}" if "finetuned" in ppl else ""
     lines.append(
         f"perplexity: dense {fmt(ppl['dense'])} | start mask {fmt(ppl['warmstart'])} | pruned {fmt(ppl['refined'])}"
+        f"{tuned}"
     )
+    if report.get("finetune"):
+        tune = report["finetune"]
+        lines.append(
+            f"fine-tune (PERP): {tune['steps']} steps of {FINETUNE_BATCH} x {tune['window']} tokens, loss "
+            f"{tune['losses'][0]:.4g} -> {tune['losses'][-1]:.4g}, {tune['seconds']:.0f} s"
+        )
     lines.append(f"time: pruning {report['seconds']['prune']:.0f} s, wall {report['seconds']['wall']:.0f} s")
     numerics = report.get("numerics")  # absent in reports written before it was recorded
     if numerics:

@@ -20,11 +20,46 @@ def test_quick_run_prints_every_section(benchmark_script, capsys):
     row = split.strip().splitlines()[-1].split()
     assert row[:2] == ["60%", "1"] and float(row[2]) > 0 and float(row[3]) > 0
     assert float(row[-1]) > 1.0  # the speedup with free linears is a bound above 1
-    disk = out.split("(d) checkpoint size")[1].splitlines()
-    rows = [line.split() for line in disk if line.strip().startswith("60%")]
-    assert [row[1] for row in rows] == ["float32", "bfloat16"]
-    assert all(row[-1] == "bit-exact" and float(row[4]) < 1.0 for row in rows)
+    rows = _checkpoint_rows(out)
+    assert [row[1:3] for row in rows] == [["float32", "own"], ["bfloat16", "own"]]
     _check_bound_section(out)
+
+
+def _checkpoint_rows(out: str) -> list[list[str]]:
+    """Section (d)'s rows, checked: bit-exact round trips, the sparse file below the dense one and the compressed
+    one below the sparse one."""
+    disk = out.split("(d) checkpoint size")[1].split("(e)")[0].splitlines()
+    rows = [line.split() for line in disk if line.strip().startswith("60%")]
+    for row in rows:
+        assert row[-1] == "bit-exact" and float(row[7]) < float(row[5]) < 1.0, row
+        assert all(float(seconds) > 0 for seconds in row[8:12]), row
+    return rows
+
+
+def test_checkpoint_section_alone_compares_plain_and_compressed(benchmark_script, capsys):
+    script = benchmark_script("sparse_inference")
+    script.main(["--quick", "--checkpoint"])
+    out = capsys.readouterr().out
+    assert "(a) one layer" not in out and "(e) least checkpoint" not in out
+    rows = _checkpoint_rows(out)
+    assert [row[1:3] for row in rows] == [["float32", "own"], ["bfloat16", "own"], ["float32", "normal"],
+                                          ["bfloat16", "normal"]]  # fmt: skip
+
+
+def test_redraw_keeps_each_tensors_scale(benchmark_script):
+    import torch
+
+    script = benchmark_script("sparse_inference")
+    model = torch.nn.Linear(256, 64)
+    with torch.no_grad():
+        model.weight.mul_(5.0).add_(1.0)
+    before = {k: (v.mean().item(), v.std().item()) for k, v in model.state_dict().items()}
+    old = model.weight.detach().clone()
+    script.redraw_normal_(model)
+    assert not torch.equal(model.weight, old)
+    for name, (mean, std) in before.items():
+        value = model.state_dict()[name]
+        assert abs(value.mean().item() - mean) < 0.2 * std and abs(value.std().item() / std - 1) < 0.2, name
 
 
 def _check_bound_section(out: str) -> None:

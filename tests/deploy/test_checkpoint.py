@@ -30,21 +30,25 @@ def _file_tensors(path):
 @pytest.mark.parametrize("arch", TINY_ARCHS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("pattern", ["60%", "2:4"])
-def test_round_trip_is_bit_identical(tiny, tmp_path, arch, dtype, pattern):
+@pytest.mark.parametrize("compress", [False, True])
+def test_round_trip_is_bit_identical(tiny, tmp_path, arch, dtype, pattern, compress):
     nm = (2, 4) if pattern == "2:4" else None
     model = tiny(arch, dtype, sparsity=0.6, nm=nm, negative_zeros=pattern == "60%")
-    report = save_sparse(model, tmp_path / "ckpt")
+    report = save_sparse(model, tmp_path / "ckpt", compress=compress)
     assert report.encoded and all(s >= 0.5 for s in report.encoded.values())
     loaded = load_sparse(tmp_path / "ckpt")
     assert type(loaded) is type(model) and not loaded.training
     assert_bit_equal(model.state_dict(), loaded.state_dict())
     tensors, metadata = _file_tensors(tmp_path / "ckpt")
     entries = metadata["tensors"]
-    assert metadata["format_version"] == 1 and metadata["dtype"] == str(dtype).removeprefix("torch.")
+    assert metadata["format_version"] == (2 if compress else 1)  # an uncompressed file stays readable by version 1
+    assert metadata["dtype"] == str(dtype).removeprefix("torch.")
     encoded = [name for name, e in entries.items() if e["encoding"] == "bitmask"]
     assert sorted(encoded) == sorted(f"{n}.weight" for n in prune_model_names(model))
+    stored_dtype = torch.uint8 if compress else dtype
     for name in encoded:
-        assert tensors[f"{name}.bitmask"].dtype == torch.uint8 and tensors[f"{name}.values"].dtype == dtype
+        assert tensors[f"{name}.bitmask"].dtype == torch.uint8 and tensors[f"{name}.values"].dtype == stored_dtype
+        assert entries[name].get("codec") == ("zlib-planes" if compress else None)
         if arch != "gpt2":  # gpt2's Conv1D stores [d_in, d_out]: its 2:4 groups run down the stored columns
             assert entries[name]["nm"] == ([2, 4] if nm else None)
         assert f"{name}.zero_signs" in tensors if pattern == "60%" else f"{name}.zero_signs" not in tensors
@@ -97,6 +101,34 @@ def test_at_60_percent_the_checkpoint_is_under_half_the_dense_one(tmp_path, dtyp
     assert_bit_equal(model.state_dict(), state)
     with pytest.raises(FileNotFoundError, match=r"no config\.json"):
         load_sparse(tmp_path / "ckpt")
+
+
+@pytest.mark.parametrize(("dtype", "limit"), [(torch.float32, 0.42), (torch.bfloat16, 0.4)])
+def test_compressed_at_60_percent_is_smaller_still_and_loads_as_sparse_linears(tiny, tmp_path, dtype, limit):
+    generator = torch.Generator().manual_seed(0)
+    model = nn.Sequential(nn.Linear(512, 512, bias=False), nn.Linear(512, 512, bias=False), nn.LayerNorm(512))
+    with torch.no_grad():
+        for layer in model[:2]:
+            layer.weight.copy_(torch.randn(512, 512, generator=generator) * 0.02)  # a trained layer's scale
+    model = model.to(dtype)
+    prune_model(model, 0.6)
+    plain = save_sparse(model, tmp_path / "plain")
+    packed = save_sparse(model, tmp_path / "packed", compress=True)
+    assert packed.dense_bytes == plain.dense_bytes and packed.encoded == plain.encoded
+    assert packed.ratio < limit < plain.ratio  # plain: 1/32 + 0.4 (fp32), 1/16 + 0.4 (bf16)
+    tensors, metadata = _file_tensors(tmp_path / "packed")
+    assert metadata["tensors"]["2.weight"]["codec"] == "zlib-planes" and tensors["2.weight"].dtype == torch.uint8
+    assert_bit_equal(model.state_dict(), read_sparse_state_dict(tmp_path / "packed"))
+    llama = tiny("llama", dtype)
+    save_sparse(llama, tmp_path / "llama", compress=True)
+    save_sparse(llama, tmp_path / "llama-plain")
+    sparse = load_sparse(tmp_path / "llama", sparse=True)  # SparseLinear modules from the decompressed values
+    assert any(type(m).__name__ == "SparseLinear" for m in sparse.modules())
+    x = torch.randint(0, llama.config.vocab_size, (1, 6))
+    with torch.no_grad():
+        assert torch.equal(sparse(x).logits, load_sparse(tmp_path / "llama-plain", sparse=True)(x).logits)
+    with pytest.raises(TypeError, match="compress must be True or False"):
+        save_sparse(model, tmp_path / "bad", compress="zlib")
 
 
 def test_min_sparsity_rule_and_reparametrisation_refused():
@@ -192,6 +224,20 @@ def test_bad_files_raise_clear_errors_before_any_model_is_built(tiny, tmp_path, 
     check(r"tensor 'model.norm.weight': stored as torch.float64")
     _rewrite(path, metadata=lambda m: m | {"format_version": 99})
     check("format_version 99 is not supported")
+    save_sparse(model, path, compress=True)
+    good = (path / SPARSE_FILE).read_bytes()
+    _rewrite(path, tensors=lambda t: t | {f"{name}.values": t[f"{name}.values"][:-5]})
+    check(rf"{SPARSE_FILE}: tensor '{name}' values: the zlib-planes stream .*cut short")
+
+    def entry(**changes):
+        return lambda m: {**m, "tensors": {**m["tensors"], name: {**m["tensors"][name], **changes}}}
+
+    _rewrite(path, metadata=entry(values_numel=7))
+    check(rf"tensor '{name}' values: the zlib-planes stream holds more than 28 bytes")
+    _rewrite(path, metadata=entry(codec="lz4"))
+    check(rf"tensor '{name}': metadata codec 'lz4' is not 'zlib-planes'")
+    _rewrite(path, tensors=lambda t: t | {"model.norm.weight": t["model.norm.weight"] ^ 0xFF})
+    check(r"tensor 'model.norm.weight': the zlib-planes stream")
     _rewrite(path, metadata=lambda m: {**m, "tensors": {**m["tensors"], name: {**m["tensors"][name], "dtype": "x"}}})
     check(rf"tensor '{name}': metadata dtype 'x'")
     save_file(_file_tensors(path)[0], str(path / SPARSE_FILE), metadata={METADATA_KEY: "{not json"})

@@ -24,7 +24,8 @@ VALUES: dict[str, list[str]] = {
     "calib": ["wikitext"], "nsamples": ["16"], "seqlen": ["128"], "calib_shards": ["2"], "holdout": ["2"],
     "eval": ["none"], "eval_windows": ["8"], "no_eval_warmstart": [], "device": ["cpu:1"], "dtype": ["bfloat16"],
     "seed": ["7"], "batch_size": ["2"], "blockwise": [], "distributed": [], "row_shards": ["256"],
-    "collective_timeout": ["60"], "save_format": ["sparse"], "bench": [],
+    "collective_timeout": ["60"], "save_format": ["sparse"], "bench": [], "finetune_steps": ["5"],
+    "finetune_lr": ["0.01"], "finetune_adapter": ["scalelora"], "finetune_rank": ["4"],
 }  # fmt: skip
 # Options that act outside the job's config: where it writes and how it reports.
 OUTSIDE_CONFIG = {"out", "overwrite", "quiet", "json_log", "help"}

@@ -34,13 +34,23 @@ def test_the_job_saves_a_sparse_checkpoint_equal_to_its_dense_save(saved_tiny, t
     want, got = saved_tensors(tmp_path / "dense"), load_sparse(tmp_path / "sparse").state_dict()
     for name, tensor in want.items():
         assert torch.equal(got[name], tensor), name
-    sizes = [sum(f.stat().st_size for f in (tmp_path / d).glob("*.safetensors")) for d in ("dense", "sparse")]
-    assert sizes[1] < sizes[0]
+    packed = job_config(build_parser().parse_args([*args, "--holdout", "1", "--eval", "none", "--save-format",
+                                                   "sparse-compressed", "--out", "x"]))  # fmt: skip
+    assert packed == JobConfig(prune=PruneOptions(recipe="wanda"), save_format="sparse-compressed", **settings)
+    run_job(packed, tmp_path / "packed", progress=False)
+    got = load_sparse(tmp_path / "packed").state_dict()
+    for name, tensor in want.items():
+        assert torch.equal(got[name], tensor), name
+    dirs = ("dense", "sparse", "packed")
+    sizes = [sum(f.stat().st_size for f in (tmp_path / d).glob("*.safetensors")) for d in dirs]
+    assert sizes[2] < sizes[1] < sizes[0]
 
 
-def test_sparse_save_format_is_refused_with_blockwise(saved_tiny):
-    config = JobConfig(model=str(saved_tiny), eval=None, blockwise=True, save_format="sparse")
-    with pytest.raises(ValueError, match=r"save_format='sparse' \(--save-format sparse\) needs the whole pruned"):
+@pytest.mark.parametrize("save_format", ["sparse", "sparse-compressed"])
+def test_sparse_save_format_is_refused_with_blockwise(saved_tiny, save_format):
+    config = JobConfig(model=str(saved_tiny), eval=None, blockwise=True, save_format=save_format)
+    want = rf"save_format='{save_format}' \(--save-format {save_format}\) needs the whole pruned"
+    with pytest.raises(ValueError, match=want):
         config.validate()
 
 
