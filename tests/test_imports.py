@@ -200,7 +200,13 @@ def test_layering() -> None:
         assert not [t for t in imports(base) if t.startswith(upper)], base
     assert not [t for t in imports(f"{PACKAGE}.callbacks") if t.startswith((f"{PACKAGE}.llm", f"{PACKAGE}.finetune"))]
     assert not [t for t in imports(f"{PACKAGE}.finetune") if t.startswith(f"{PACKAGE}.callbacks")]
-    assert not [t for t in imports(f"{PACKAGE}.llm") if t.startswith((f"{PACKAGE}.callbacks", f"{PACKAGE}.finetune"))]
+    assert not [t for t in imports(f"{PACKAGE}.llm") if t.startswith(f"{PACKAGE}.callbacks")]
+    # the pruning pipeline needs no fine-tuning; the job alone runs PERP after it (finetune_steps), through the
+    # training loop only
+    tuning = {m: [t for t in internal if t.startswith(f"{PACKAGE}.finetune")] for m, (internal, _, _) in GRAPH.items()}
+    assert {m: t for m, t in tuning.items() if t and m.startswith(f"{PACKAGE}.llm")} == {
+        f"{PACKAGE}.llm.job": [f"{PACKAGE}.finetune.train"]
+    }
 
 
 def test_no_private_names_across_modules() -> None:
