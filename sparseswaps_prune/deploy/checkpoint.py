@@ -56,7 +56,7 @@ from typing import Any
 import torch
 
 from sparseswaps_prune.atomic import fsync_dir
-from sparseswaps_prune.deploy.codec import CODEC, compress_planes, decompress_planes
+from sparseswaps_prune.deploy.codec import CODEC, INT_OF_SIZE, compress_planes, decompress_planes
 from sparseswaps_prune.deploy.format import (
     DEFAULT_MIN_SPARSITY,
     check_bitmask,
@@ -555,14 +555,12 @@ def _read_checkpoint(
     return result
 
 
-_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
 
 def _bits(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor`` reinterpreted as integers of its size (so that NaNs and signed zeros compare by their bits)."""
-    if tensor.dtype == torch.bool or tensor.element_size() not in _INT_OF_SIZE:
+    if tensor.dtype == torch.bool or tensor.element_size() not in INT_OF_SIZE:
         return tensor
-    return tensor.contiguous().view(_INT_OF_SIZE[tensor.element_size()])
+    return tensor.contiguous().view(INT_OF_SIZE[tensor.element_size()])
 
 
 def load_sparse(

@@ -22,7 +22,7 @@ import zlib
 import numpy as np
 import torch
 
-__all__ = ["CODEC", "COMPRESS_LEVEL", "compress_planes", "decompress_planes"]
+__all__ = ["CODEC", "COMPRESS_LEVEL", "INT_OF_SIZE", "compress_planes", "decompress_planes"]
 
 CODEC = "zlib-planes"
 """The metadata name of the layout: byte planes of the elements' little-endian bytes, one zlib stream."""
@@ -31,6 +31,9 @@ COMPRESS_LEVEL = 6
 """zlib's level. The stream uses zlib's run-length strategy (``Z_RLE``: Huffman codes plus runs of one byte): on
 byte planes of weights it is smaller and several times faster than the default strategy, whose searches for repeated
 strings find nothing in mantissa bytes (``zlib.decompress`` reads every strategy)."""
+
+INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+"""The integer dtype of each element size: a tensor viewed as it moves (or compares) its bits unchanged."""
 
 _NUMPY = {torch.float32: np.int32, torch.float64: np.int64, torch.bfloat16: np.int16, torch.float16: np.int16}
 _NUMPY |= {torch.int64: np.int64, torch.int32: np.int32, torch.int16: np.int16, torch.int8: np.uint8}
@@ -49,7 +52,7 @@ def _planes(tensor: torch.Tensor) -> np.ndarray:
 def _int_dtype(dtype: torch.dtype) -> torch.dtype:
     if dtype not in _NUMPY:
         raise ValueError(f"the {CODEC} codec does not store {dtype}")
-    return {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[dtype.itemsize]
+    return INT_OF_SIZE[dtype.itemsize]
 
 
 def compress_planes(tensor: torch.Tensor, level: int = COMPRESS_LEVEL) -> torch.Tensor:

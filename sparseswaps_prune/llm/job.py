@@ -548,8 +548,6 @@ def _finetune(model: torch.nn.Module, calib: torch.Tensor, config: JobConfig, pr
         progress=progress,
     )
     model.to(home)
-    for param in model.parameters():
-        param.requires_grad_(False)
     return {"steps": config.finetune_steps, "window": length, "losses": result.losses, "seconds": result.seconds}
 
 
