@@ -59,6 +59,7 @@ from sparseswaps_prune.core.checks import (
     check_int,
     check_mask,
     check_number,
+    check_positive,
     check_weight,
     kept_per_row,
 )
@@ -224,9 +225,7 @@ def _setup(
     """Validate ``rho``/``damp``/``dtype``; return ``(n [d_in], G'^-1, XY [d_in, d_out], W' [d_in, d_out])``
     in ``dtype`` (float64 where float32 could overflow, see the module docstring), in the original's transposed
     layout."""
-    check_number(rho, "rho", low=0.0)
-    if not rho > 0:
-        raise ValueError(f"rho must be > 0 (the ADMM penalty, 1 in the original), got {rho!r}")
+    check_positive(rho, "rho", note="the ADMM penalty, 1 in the original")
     check_number(damp, "damp", low=0.0)
     if dtype not in (torch.float32, torch.float64):
         raise TypeError(f"dtype must be torch.float32 or torch.float64, got {dtype}")

@@ -52,6 +52,7 @@ from sparseswaps_prune.core.checks import (
     check_int,
     check_mask,
     check_number,
+    check_positive,
     check_weight,
     kept_per_row,
 )
@@ -255,13 +256,9 @@ def alps_update(
 
 
 def _check_common(rho: float, cg_iters: int, cg_rtol: float, damp: float, dtype: torch.dtype) -> None:
-    check_number(rho, "rho", low=0.0)
-    if not rho > 0:
-        raise ValueError(f"rho must be > 0 (the initial ADMM penalty, 0.1 in ALPS), got {rho!r}")
+    check_positive(rho, "rho", note="the initial ADMM penalty, 0.1 in ALPS")
     check_int(cg_iters, "cg_iters", low=0)
-    check_number(cg_rtol, "cg_rtol", low=0.0)
-    if not cg_rtol > 0:
-        raise ValueError(f"cg_rtol must be > 0 (CG's relative tolerance, 1e-4 in ALPS), got {cg_rtol!r}")
+    check_positive(cg_rtol, "cg_rtol", note="CG's relative tolerance, 1e-4 in ALPS")
     check_number(damp, "damp", low=0.0)
     if dtype not in (torch.float32, torch.float64):
         raise TypeError(f"dtype must be torch.float32 or torch.float64, got {dtype}")

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 
 import torch
 
-from sparseswaps_prune.core.checks import check_number
+from sparseswaps_prune.core.checks import check_number, check_positive
 
 PROFILES = ("uniform", "owl")
 OWL_M = 5.0
@@ -116,6 +116,4 @@ def owl_sparsities(outlier_ratios: Sequence[float], target: float, lam: float) -
 
 def check_owl_m(m: float) -> None:
     """Raise naming ``owl_m`` unless ``m`` is a finite number > 0."""
-    check_number(m, "owl_m")
-    if m <= 0:
-        raise ValueError(f"owl_m must be > 0 (scores above owl_m times the mean are outliers), got {m!r}")
+    check_positive(m, "owl_m", note="scores above owl_m times the mean are outliers")

@@ -71,6 +71,15 @@ def check_number(
     return float(value)
 
 
+def check_positive(value: object, name: str, *, note: str = "") -> float:
+    """Return ``value`` as a float if it is a finite real number (not a bool) above 0; else raise naming ``name``
+    (and ``note``, what the value is, in the message)."""
+    check_number(value, name)
+    if not value > 0:
+        raise ValueError(f"{name} must be > 0{f' ({note})' if note else ''}, got {value!r}")
+    return float(value)
+
+
 def check_unused(config: object, defaults: dict[str, tuple[str, object]], *, owner: str, off: str, fix: str) -> None:
     """Raise ``ValueError`` if ``config`` sets an option of a stage that is off: ``defaults`` maps each of the stage's
     option names to ``(CLI flag, default)``; the message names the options set, ``owner`` (what they set), ``off``

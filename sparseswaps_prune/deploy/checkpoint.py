@@ -555,7 +555,6 @@ def _read_checkpoint(
     return result
 
 
-
 def _bits(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor`` reinterpreted as integers of its size (so that NaNs and signed zeros compare by their bits)."""
     if tensor.dtype == torch.bool or tensor.element_size() not in INT_OF_SIZE:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -12,6 +11,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from sparseswaps_prune.core.checks import check_int, check_positive
 from sparseswaps_prune.finetune.adapters import ADAPTER_KINDS, attach_adapters, merge_adapters, select_layers
 from sparseswaps_prune.finetune.peft_glue import add_lora, merge_lora_keep_sparsity
 from sparseswaps_prune.finetune.perp import mark_trainable
@@ -69,13 +69,6 @@ def check_token_windows(token_windows: torch.Tensor) -> torch.Tensor:
             "use tokens.view(-1, seqlen)"
         )
     return token_windows.long()
-
-
-def _check_positive(name: str, value: object, kind: type) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int):
-        raise TypeError(f"{name} must be {'a number' if kind is float else 'an int'}, got {value!r}")
-    if not value > 0 or (kind is float and not math.isfinite(value)):
-        raise ValueError(f"{name} must be > 0, got {value}")
 
 
 def finetune_causal_lm(
@@ -139,11 +132,11 @@ def finetune_causal_lm(
     windows = check_token_windows(token_windows)
     if adapter not in ADAPTERS:
         raise ValueError(f"unknown adapter {adapter!r}; choose one of {', '.join(ADAPTERS)}")
-    _check_positive("steps", steps, int)
-    _check_positive("batch_size", batch_size, int)
-    _check_positive("lr", lr, float)
+    check_int(steps, "steps", low=1)
+    check_int(batch_size, "batch_size", low=1)
+    check_positive(lr, "lr")
     if max_grad_norm is not None:
-        _check_positive("max_grad_norm", max_grad_norm, float)
+        check_positive(max_grad_norm, "max_grad_norm")
 
     if adapter == "none" and not (biases or norms):
         raise ValueError("adapter='none' with biases=False and norms=False trains nothing; enable one of them")

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from sparseswaps_prune.core.checks import check_int, check_number
+from sparseswaps_prune.core.checks import check_int, check_positive
 from sparseswaps_prune.llm.capture import BlockInputs, call_block
 from sparseswaps_prune.modules import PrunableLayer
 
@@ -62,9 +62,7 @@ def check_tune(epochs: int, lr: float, schedule: str = BLOCK_TUNE_SCHEDULE) -> N
     """Raise ``ValueError``/``TypeError`` naming ``block_tune_epochs`` (an int >= 0), ``block_tune_lr`` (> 0) or
     ``block_tune_schedule`` (one of :data:`SCHEDULES`)."""
     check_int(epochs, "block_tune_epochs (--block-tune-epochs; 0: no block tuning)", low=0)
-    check_number(lr, "block_tune_lr (--block-tune-lr)", low=0.0)
-    if lr <= 0:
-        raise ValueError(f"block_tune_lr (--block-tune-lr) must be > 0, got {lr!r}")
+    check_positive(lr, "block_tune_lr (--block-tune-lr)")
     if schedule not in SCHEDULES:
         raise ValueError(f"block_tune_schedule (--block-tune-schedule) must be one of {SCHEDULES}, got {schedule!r}")
 

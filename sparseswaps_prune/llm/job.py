@@ -20,7 +20,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import math
 import os
 import re
 import shutil
@@ -34,7 +33,15 @@ from typing import Any
 import torch
 
 from sparseswaps_prune.atomic import save_json
-from sparseswaps_prune.core.checks import check_bool, check_choice, check_device, check_int, check_str, check_unused
+from sparseswaps_prune.core.checks import (
+    check_bool,
+    check_choice,
+    check_device,
+    check_int,
+    check_positive,
+    check_str,
+    check_unused,
+)
 from sparseswaps_prune.core.spec import NoRefine
 from sparseswaps_prune.deploy import write_sparse_files
 from sparseswaps_prune.deploy.bench import bench_model
@@ -250,10 +257,7 @@ class JobConfig:
                 off="finetune_steps is 0 (no fine-tune)",
             )  # fmt: skip
             return
-        if isinstance(self.finetune_lr, bool) or not isinstance(self.finetune_lr, (int, float)):
-            raise TypeError(f"finetune_lr (--finetune-lr) must be a number, got {self.finetune_lr!r}")
-        if not (math.isfinite(self.finetune_lr) and self.finetune_lr > 0):
-            raise ValueError(f"finetune_lr (--finetune-lr) must be a positive number, got {self.finetune_lr!r}")
+        check_positive(self.finetune_lr, "finetune_lr (--finetune-lr)")
         check_choice(self.finetune_adapter, "finetune_adapter (--finetune-adapter)", ADAPTERS)
         check_int(self.finetune_rank, "finetune_rank (--finetune-rank)", low=1)
         if self.blockwise:

@@ -10,6 +10,7 @@ from sparseswaps_prune.core.checks import (
     check_choice,
     check_gram,
     check_int,
+    check_positive,
     check_str,
     check_weight,
 )
@@ -150,6 +151,14 @@ def test_nm_keeping_no_weight_is_refused_by_every_entry_point():
         (lambda: check_bool(1, "blockwise"), TypeError, r"^blockwise must be a bool, got 1$"),
         (lambda: check_str(None, "calib"), TypeError, r"^calib must be a str, got None$"),
         (lambda: check_str(3, "eval", none_ok=True), TypeError, r"^eval must be a str or None, got 3$"),
+        (lambda: check_positive(0.0, "lr"), ValueError, r"^lr must be > 0, got 0.0$"),
+        (
+            lambda: check_positive(-1, "rho", note="the penalty"),
+            ValueError,
+            r"^rho must be > 0 \(the penalty\), got -1$",
+        ),
+        (lambda: check_positive(float("inf"), "lr"), ValueError, r"^lr must be a finite number, got inf$"),
+        (lambda: check_positive(True, "lr"), TypeError, r"^lr must be a number, got True$"),
     ],
 )
 def test_the_shared_checkers_name_the_option_and_what_it_accepts(call, error, match):
@@ -161,6 +170,7 @@ def test_the_shared_checkers_return_what_they_accept():
     assert check_int(2**64 - 1, "seed", low=0, below=2**64) == 2**64 - 1
     assert check_int(None, "eval_windows", low=1, none_ok=True) is None
     assert check_choice("row", "scope", ("row", "layer")) == "row"
+    assert check_positive(3, "lr") == 3.0 and isinstance(check_positive(3, "lr"), float)
     assert check_bool(False, "guard") is False and check_str(None, "eval", none_ok=True) is None
 
 

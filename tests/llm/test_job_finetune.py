@@ -73,11 +73,20 @@ def test_a_run_stopped_in_the_fine_tune_resumes_to_the_same_weights(saved_tiny, 
 @pytest.mark.parametrize(
     ("changes", "error", "match"),
     [
-        ({"finetune_lr": 0.01}, ValueError, r"finetune_lr \(--finetune-lr\) set the fine-tune after pruning, but "
-                                            r"finetune_steps is 0"),
+        (
+            {"finetune_lr": 0.01},
+            ValueError,
+            r"finetune_lr \(--finetune-lr\) set the fine-tune after pruning, but "
+            r"finetune_steps is 0",
+        ),
         ({"finetune_rank": 4, "finetune_adapter": "lora"}, ValueError, r"finetune_adapter .*finetune_rank"),
         ({"finetune_steps": -1}, ValueError, "finetune_steps"),
-        ({"finetune_steps": 2, "finetune_lr": float("nan")}, ValueError, "finetune_lr .* positive"),
+        (
+            {"finetune_steps": 2, "finetune_lr": float("nan")},
+            ValueError,
+            r"finetune_lr \(--finetune-lr\) must be a finite number",
+        ),
+        ({"finetune_steps": 2, "finetune_lr": 0}, ValueError, r"finetune_lr \(--finetune-lr\) must be > 0"),
         ({"finetune_steps": 2, "finetune_adapter": "dora"}, ValueError, "finetune_adapter"),
         ({"finetune_steps": 2, "finetune_rank": 0}, ValueError, "finetune_rank"),
         ({"finetune_steps": 2, "blockwise": True, "eval": None, "eval_windows": 32}, ValueError, "never holds"),
