@@ -37,7 +37,7 @@ from sparseswaps_prune.llm.models import load_model
 from sparseswaps_prune.llm.pipeline import PruneOptions
 from sparseswaps_prune.llm.tasks import write_builtin_cloze_task
 from sparseswaps_prune.modules import find_blocks, find_layers, input_hooks
-from sparseswaps_prune.recipes import BLOCK_TUNE_EPOCHS, DEFAULT_RECIPE, RECIPES, recipe_name
+from sparseswaps_prune.recipes import DEFAULT_RECIPE, RECIPES, recipe_name
 
 Grams = dict[str, dict[str, GramAccumulator]]  # layer name -> {"small", "large", "holdout"}
 
@@ -210,6 +210,7 @@ def capture_grams(blocks: list[int], small: int, large: int, holdout: int, seqle
     return weights, grams
 
 
+_DEFAULT_TUNE = RECIPES[DEFAULT_RECIPE].block_tune_epochs
 SETTING_BASE = "sparseswaps-refit"
 """The recipe a setting's options change unless it names one (``recipe=...``): ``RECIPES["sparseswaps-refit"]``
 (Wanda, SparseSwaps T=10, least-squares re-fit), the spec every setting of RESULTS.md was written against."""
@@ -256,12 +257,13 @@ def parse_setting(text: str) -> dict[str, Any]:
     """``"start=admm,refine=none,max_iters=5"`` -> ``{"start": "admm", "refine": "none", "max_iters": 5}``;
     ``""`` -> ``{}`` (:data:`SETTING_BASE`'s recipe, without block tuning); ``"recipe=alps"`` -> ``{"recipe":
     "alps"}`` (that recipe's spec as the base); ``"default"`` -> ``{"recipe": "best", "tune":
-    BLOCK_TUNE_EPOCHS}``: the CLI's default recipe with its block tuning (``PruneOptions()``)."""
+    2}``: the CLI's default recipe with its block tuning (``PruneOptions()``; the recipe's fine-tune is the job's,
+    ``prune_finetune.py`` runs it)."""
     setting: dict[str, Any] = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
         if item == "default":
             setting.setdefault("recipe", DEFAULT_RECIPE)
-            setting.setdefault("tune", BLOCK_TUNE_EPOCHS)
+            setting.setdefault("tune", _DEFAULT_TUNE)
             continue
         key, sep, value = item.partition("=")
         if not sep:
@@ -281,7 +283,7 @@ def layer_setting(text: str) -> dict[str, Any]:
     """:func:`parse_setting` for scripts that prune single layers: ``"default"`` is the default recipe's layer spec
     there (its block tuning is a pipeline stage, not a layer's)."""
     setting = parse_setting(text)
-    if "default" in (part.strip() for part in text.split(",")) and setting.get("tune") == BLOCK_TUNE_EPOCHS:
+    if "default" in (part.strip() for part in text.split(",")) and setting.get("tune") == _DEFAULT_TUNE:
         del setting["tune"]
     return setting
 

@@ -96,8 +96,8 @@ PRESETS: dict[str, list[str]] = {
         "start=admm,scope=layer,refine=none,weights=start",  # ADMM as published (Boza 2024)
         "start=alps,scope=layer,refine=none,weights=start",  # ALPS as published (Meng et al. 2024)
         "start=sparsegpt,scope=layer,refine=none,weights=obs",  # SparseGPT as published
-        "default",  # the current default: alps/layer -> none -> start weights -> block tune 3
-        "tune=3",  # SparseSwaps' own spec, tuned like the default: wanda -> sparseswaps -> ls -> block tune 3
+        "default",  # the current default: alps/layer -> none -> start weights -> block tune 2
+        "tune=3",  # SparseSwaps' own spec, tuned 3 epochs: wanda -> sparseswaps -> ls -> block tune 3
         "start=admm",  # admm -> sparseswaps T=10 (mask objective) -> ls
         "start=alps",  # alps -> sparseswaps T=10 -> ls
         "start=alps,refine=none",  # alps -> none -> ls

@@ -318,7 +318,7 @@ def _add_prune_options(p: argparse.ArgumentParser) -> None:
         "--finetune-steps", type=int,
         help="PERP steps after pruning: adapters on every block linear, biases and norms trained on the calibration "
         "windows cut in halves (4 per step), adapters merged so the zeros stay; perplexity measured before and after "
-        "(default 0: none; 20 take the best recipe at 60%% from 30.88 to 24.96, RESULTS.md)",
+        f"(0: none; not with --blockwise) (default: the recipe's; {DEFAULT_RECIPE}: {recipe.finetune_steps})",
     )  # fmt: skip
     finetune.add_argument("--finetune-lr", type=float, help=f"AdamW learning rate (default {JobConfig.finetune_lr:g})")
     finetune.add_argument(

@@ -1,10 +1,11 @@
 """THE table of named recipes: what ``--recipe NAME`` (CLI), ``PruneOptions(recipe=NAME)`` / ``run_job``, the
 prune method's and the callback's ``recipe=NAME`` run.
 
-A recipe is a named method as data: the per-layer spec (:class:`~sparseswaps_prune.core.spec.PruneSpec`) and the
-block tuning the Hugging Face pipeline runs after each block's layers are pruned. The prune method and the Lightning
+A recipe is a named method as data: the per-layer spec (:class:`~sparseswaps_prune.core.spec.PruneSpec`), the
+block tuning the Hugging Face pipeline runs after each block's layers are pruned, and the PERP fine-tune the job
+(``sparseswaps prune``, ``run_job``) runs on the whole pruned model at the end. The prune method and the Lightning
 callback prune layer by layer and run the recipe's layer spec only (block tuning needs the dense model's block
-outputs, which only the pipeline has).
+outputs, which only the pipeline has; the fine-tune is the user's own training loop there).
 
 Calibration sizes are the job's (``JobConfig``: 64 windows of 256 tokens, 8 held out) for every recipe, so that the
 methods compare on the same tokens (RESULTS.md).
@@ -37,7 +38,12 @@ from sparseswaps_prune.core.spec import (
 )
 
 BLOCK_TUNE_EPOCHS = 3
-"""Epochs of block tuning in the recipes that tune (``best``, ``sparseswaps-refit``, ``alps-swaps``)."""
+"""Epochs of block tuning in the recipes that tune without a fine-tune after (``sparseswaps-refit``,
+``alps-swaps``)."""
+BEST_BLOCK_TUNE_EPOCHS = 2
+"""Epochs of block tuning in ``best``: one fewer than :data:`BLOCK_TUNE_EPOCHS`, whose time its fine-tune takes."""
+BEST_FINETUNE_STEPS = 20
+"""PERP steps after pruning in ``best`` (the job's): about the time of one block-tuning epoch on the default model."""
 
 
 @dataclass(frozen=True)
@@ -48,16 +54,19 @@ class Recipe:
         spec: how each layer is pruned (60% unless changed by options).
         block_tune_epochs: epochs of block tuning after each block's layers are pruned (pipeline only; 0: none).
         summary: one line for ``--help`` and the run's header.
+        finetune_steps: PERP steps on the whole pruned model at the end (the job only,
+            ``JobConfig.finetune_steps``; 0: none).
     """
 
     spec: PruneSpec
     block_tune_epochs: int
     summary: str
+    finetune_steps: int = 0
 
     @property
     def updates_weights(self) -> bool:
-        """True if the recipe changes the kept weights (a weight stage or block tuning)."""
-        return self.spec.updates_weights or self.block_tune_epochs > 0
+        """True if the recipe changes the kept weights (a weight stage, block tuning or a fine-tune)."""
+        return self.spec.updates_weights or self.block_tune_epochs > 0 or self.finetune_steps > 0
 
 
 _LAYER = Budget(sparsity=0.6, scope="layer")
@@ -68,8 +77,10 @@ _WANDA = ScoreStart("wanda")
 RECIPES: dict[str, Recipe] = {
     "best": Recipe(
         _ALPS,
-        BLOCK_TUNE_EPOCHS,
-        "ALPS's mask and weights, then block tuning: the lowest perplexity measured in the main job's budget",
+        BEST_BLOCK_TUNE_EPOCHS,
+        f"ALPS's mask and weights, {BEST_BLOCK_TUNE_EPOCHS} epochs of block tuning, then {BEST_FINETUNE_STEPS} PERP "
+        "steps on the whole model (the job's): the lowest perplexity measured in the main job's budget",
+        finetune_steps=BEST_FINETUNE_STEPS,
     ),
     "sparseswaps": Recipe(
         SPARSESWAPS_SPEC,

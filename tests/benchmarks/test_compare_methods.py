@@ -12,7 +12,7 @@ from sparseswaps_prune.core.spec import build_spec
 from sparseswaps_prune.llm.experiment import Experiment
 from sparseswaps_prune.llm.models import TINY_VOCAB_SIZE, tiny_model
 from sparseswaps_prune.llm.pipeline import PruneOptions
-from sparseswaps_prune.recipes import BLOCK_TUNE_EPOCHS, RECIPES
+from sparseswaps_prune.recipes import RECIPES
 
 REFIT = RECIPES["sparseswaps-refit"].spec  # the settings' base: Wanda -> SparseSwaps T=10 -> least-squares re-fit
 BEST = RECIPES["best"].spec  # the CLI's default recipe's layer spec: ALPS's mask and weights
@@ -58,7 +58,11 @@ def test_settings_are_build_spec_options(compare, common):
         "max_iters": 5,
     }
     assert compare.parse_setting("") == {}  # the sparseswaps-refit spec without block tuning
-    assert compare.parse_setting("default") == {"recipe": "best", "tune": BLOCK_TUNE_EPOCHS}  # PruneOptions()
+    # PruneOptions()
+    assert compare.parse_setting("default") == {
+        "recipe": "best",
+        "tune": RECIPES["best"].block_tune_epochs,
+    }  # PruneOptions()
     with pytest.warns(DeprecationWarning, match="renamed 'best'"):
         assert compare.parse_setting("recipe=default") == {"recipe": "best"}  # the previous release's name
     assert compare.parse_setting("recipe=alps") == {"recipe": "alps"}
@@ -142,7 +146,7 @@ def test_admm_alps_preset_on_a_tiny_model(compare, tmp_path, capsys):
         "admm/layer -> none -> start weights",
         "alps/layer -> none -> start weights",
         "sparsegpt/layer -> none -> obs",
-        "alps/layer -> none -> start weights -> block tune 3",
+        "alps/layer -> none -> start weights -> block tune 2",
         "wanda -> sparseswaps T=3 -> ls -> block tune 3",
         "admm -> sparseswaps T=3 -> ls",
         "alps -> sparseswaps T=3 -> ls",
@@ -198,7 +202,7 @@ def test_rows_of_another_spec_are_not_read(compare, tmp_path, capsys):
 def test_block_tuning_settings_are_pipeline_options(compare, common):
     default = common.setting_options(compare.parse_setting("default"), "60%", 10)
     assert default == PruneOptions()
-    assert common.options_label(default) == "alps/layer -> none -> start weights -> block tune 3"
+    assert common.options_label(default) == "alps/layer -> none -> start weights -> block tune 2"
     swaps = common.setting_options(compare.parse_setting("recipe=sparseswaps-refit,tune=3"), "60%", 25)
     assert common.options_label(swaps) == "wanda -> sparseswaps T=10 -> ls -> block tune 3"  # the recipe's T
     tuned = common.setting_options(compare.parse_setting("refine=none,tune=5,tune_lr=0.003"), "60%", 25)

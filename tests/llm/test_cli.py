@@ -29,14 +29,17 @@ def test_prune_report_eval(saved_tiny, tmp_path, capsys):
     assert summary["totals"]["n_swaps"] == 0  # the default recipe does not refine ALPS's mask
     config = json.loads((out / "config_sparseswaps.json").read_text())
     assert config["prune"]["spec"]["budget"]["nm"] == [2, 4]
-    # the main job's defaults: ALPS's mask and weights, then block tuning; 8 held-out windows for the report
+    # the main job's defaults: ALPS's mask and weights, 2 epochs of block tuning, then 20 PERP steps; 8 held-out
+    # windows for the report
     spec = config["prune"]["spec"]
     assert spec["start"]["kind"] == "alps" and spec["refine"] == {"kind": "none"}
-    assert spec["weights"] == {"kind": "start", "guard": False} and config["prune"]["block_tune_epochs"] == 3
-    assert config["holdout"] == 8
+    assert spec["weights"] == {"kind": "start", "guard": False} and config["prune"]["block_tune_epochs"] == 2
+    assert config["finetune_steps"] == 20 and config["holdout"] == 8
     assert summary["totals"]["loss_final"] < summary["totals"]["loss_refined"]  # ALPS's weights beat the mask's
     assert summary["totals"]["holdout_final"] is not None
     report = json.loads((out / "report.json").read_text())  # what the result's bits depend on besides the options
+    assert report["finetune"]["steps"] == 20 and len(report["finetune"]["losses"]) == 20
+    assert report["perplexity"]["finetuned"] != report["perplexity"]["refined"]
     assert report["numerics"] == {
         "batch_size": config["batch_size"],
         "device": "cpu",
@@ -68,7 +71,7 @@ def test_cli_and_python_defaults_build_the_same_job():
     swaps = ["prune", "--out", "x", "--recipe", "sparseswaps-refit"]
     given = job_config(build_parser().parse_args([*swaps, "--weights", "keep", "--max-iters", "7"]))
     assert given.prune.spec == build_spec(REFIT, weights="keep", max_iters=7)
-    assert given.prune.block_tune_epochs == BLOCK_TUNE_EPOCHS  # SparseSwaps' re-fit recipe is tuned like the default
+    assert given.prune.block_tune_epochs == BLOCK_TUNE_EPOCHS  # SparseSwaps' re-fit recipe tunes 3 epochs
     ridge = job_config(build_parser().parse_args([*swaps, "--ridge", "diag"]))
     assert ridge.prune.spec == build_spec(REFIT, ridge="diag") and ridge.prune.spec.weights.damp == 0.1
     recipe = job_config(build_parser().parse_args(["prune", "--out", "x", "--recipe", "alps", "--sparsity", "0.7"]))
@@ -103,7 +106,12 @@ def test_cli_and_python_defaults_build_the_same_job():
     assert cosine == JobConfig(prune=PruneOptions(block_tune_schedule="cosine"))
     with pytest.raises(SystemExit):
         build_parser().parse_args(["prune", "--out", "x", "--block-tune-schedule", "linear"])
-    assert PruneOptions().block_tune_epochs == BLOCK_TUNE_EPOCHS == 3  # block tuning is part of the default
+    assert PruneOptions().block_tune_epochs == 2 and BLOCK_TUNE_EPOCHS == 3  # block tuning is part of the default
+    assert JobConfig().finetune_steps == 20 and JobConfig(prune=PruneOptions(recipe="alps")).finetune_steps == 0
+    assert JobConfig(blockwise=True).finetune_steps == 0  # the recipe's fine-tune needs the whole model
+    steps = job_config(build_parser().parse_args(["prune", "--out", "x", "--recipe", "alps", "--finetune-steps", "5"]))
+    assert steps == JobConfig(prune=PruneOptions(recipe="alps"), finetune_steps=5)
+    assert job_config(build_parser().parse_args(["prune", "--out", "x", "--finetune-steps", "0"])).finetune_steps == 0
     assert main(["prune", "--block-tune-epochs", "-1", "--out", "x"]) == 2
 
 

@@ -215,7 +215,7 @@ def test_toggling_blockwise_on_a_resume_names_blockwise(model_dir, tmp_path, mon
             run_job(config, out, progress=False)
     assert json.loads((out / STATE_DIR / "progress.json").read_text())["next_block"] == 1
     before = snapshot(out / STATE_DIR)
-    toggled = JobConfig(**{**config.__dict__, "blockwise": not config.blockwise})
+    toggled = JobConfig(**{**config.__dict__, "blockwise": not config.blockwise, "finetune_steps": None})
     with monkeypatch.context() as patch:
         patch.setattr(models, "load_model", lambda *a, **k: pytest.fail("loaded the model"))
         patch.setattr(streaming, "prune_checkpoint", lambda *a, **k: pytest.fail("pruned block by block"))
