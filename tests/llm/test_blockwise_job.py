@@ -147,3 +147,21 @@ def test_torchrun_blockwise_job_equals_one_process(saved_tiny, tmp_path):
     assert report_two["config"] == report_one["config"] | {"distributed": True}
     assert report_two["memory"]["world_size"] == 2 and report_two["memory"]["rank"] == 0
     assert not (two / STATE_DIR).exists() and not (two / STAGING_DIR).exists()
+
+
+def test_blockwise_runs_the_best_recipe_without_its_fine_tune(saved_tiny, tmp_path, caplog):
+    """The recipe's fine-tune needs the whole pruned model: block by block it is not run (and said so), and the
+    saved weights are those of the in-memory run with ``finetune_steps=0``; asking for steps is refused."""
+    small = {"model": str(saved_tiny), "eval": None, "nsamples": 2, "seqlen": 16, "holdout": 1}
+    config = JobConfig(blockwise=True, **small)
+    assert RECIPES[config.prune.recipe].finetune_steps > 0 and config.finetune_steps == 0
+    with caplog.at_level("INFO", logger="sparseswaps_prune.llm.job"):
+        report = run_job(config, tmp_path / "blockwise", progress=False)
+    assert "fine-tunes the whole pruned model at the end, which --blockwise never holds: not run" in caplog.text
+    assert "finetune" not in report
+    run_job(JobConfig(finetune_steps=0, **small), tmp_path / "memory", progress=False)
+    blockwise = load_file(tmp_path / "blockwise" / "model.safetensors")
+    memory = load_file(tmp_path / "memory" / "model.safetensors")
+    assert blockwise.keys() == memory.keys() and all(torch.equal(blockwise[k], memory[k]) for k in memory)
+    with pytest.raises(ValueError, match="never holds"):
+        JobConfig(blockwise=True, finetune_steps=20, **small).validate()
