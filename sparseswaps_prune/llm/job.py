@@ -113,9 +113,9 @@ class JobConfig:
             Finished blocks are recorded in ``.sparseswaps_state/`` (their weights stay in the ``.partial`` shards
             being written), so an interrupted run restarted with the same command continues after the last finished
             block, and one with another model, dtype, data or options stops naming what differs. The saved tensors
-            are those of the in-memory path, bit for bit; ``report.json`` adds ``memory`` (rank 0's peak host
-            memory, bytes written, time per block, ``first_block`` where this call began). Combines with
-            ``distributed``.
+            are those of the in-memory path with ``finetune_steps=0``, bit for bit (a recipe's fine-tune is not run
+            block by block); ``report.json`` adds ``memory`` (rank 0's peak host memory, bytes written, time per
+            block, ``first_block`` where this call began). Combines with ``distributed``.
         distributed: every rank of an initialised ``torch.distributed`` group (``torchrun``; the CLI's
             ``--distributed`` initialises it, :func:`~sparseswaps_prune.llm.distributed.init_from_env`) runs the job
             with the same config and ``out``: the layers of each block (and with ``prune.calib_shards`` the
