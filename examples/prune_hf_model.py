@@ -3,8 +3,8 @@
 Run: ``python examples/prune_hf_model.py`` prunes a tiny random-weight llama (saved to a temporary directory)
 in seconds; ``--model default`` prunes the packaged SmolLM2-135M (minutes on CPU); ``--model PATH`` any local
 ``save_pretrained`` directory or ``.gguf`` file. Same as the ``sparseswaps prune`` command line: the default
-recipe ``best`` (ALPS's mask and weights, block tuning, then a short PERP fine-tune), or ``--recipe sparseswaps`` (ADMM's mask, then exact
-1-swaps, masks only) with ``--start`` and ``--max-iters``.
+recipe ``best`` (ALPS's mask and weights, block tuning, then a short PERP fine-tune), or ``--recipe sparseswaps``
+(ADMM's mask, then exact 1-swaps, masks only) with ``--start`` and ``--max-iters``.
 """
 
 from __future__ import annotations
