@@ -172,8 +172,9 @@ def test_swap_scope_row_under_a_layer_budget():
 
 
 def test_recipes_are_specs_that_options_change():
-    assert RECIPES["best"].spec is ALPS and RECIPES["best"].block_tune_epochs == 3  # one ALPS spec, tuned in best
-    assert RECIPES["alps"].block_tune_epochs == 0  # as published
+    assert RECIPES["best"].spec is ALPS and RECIPES["best"].block_tune_epochs == 2  # one ALPS spec, tuned in best
+    assert RECIPES["best"].finetune_steps == 20  # then fine-tuned (the job's)
+    assert RECIPES["alps"].block_tune_epochs == 0 == RECIPES["alps"].finetune_steps  # as published
     assert RECIPES["paper"].spec.describe() == "60% per row: wanda -> sparseswaps T=100 (mask) -> keep"
     assert RECIPES["admm"].spec == build_spec(SWAPS, start="admm", scope="layer", refine="none", weights="start")
     assert RECIPES["alps-swaps"].spec == build_spec(

@@ -225,7 +225,7 @@ def test_job_writes_complete_outputs_and_is_idempotent(saved_tiny, tmp_path):
     for name in ("report.json", "report.csv", "report.png", "config_sparseswaps.json", "config.json"):
         assert (out / name).exists(), name
     assert not (out / ".sparseswaps_state").exists()
-    assert set(report["perplexity"]) == {"dense", "warmstart", "refined"}
+    assert set(report["perplexity"]) == {"dense", "warmstart", "refined", "finetuned"}  # the best recipe fine-tunes
     assert all(v > 1 for v in report["perplexity"].values())
     t = report["totals"]
     assert t["loss_refined"] <= t["loss_start"] and t["loss_final"] <= t["loss_refined"]
