@@ -193,7 +193,9 @@ class JobConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> JobConfig:
-        data = dict(data)
+        """Inverse of :meth:`to_dict`; a dict written before the fine-tune existed had none (``finetune_steps`` 0),
+        whatever its recipe's steps now."""
+        data = {"finetune_steps": 0} | dict(data)
         return cls(prune=PruneOptions.from_dict(data.pop("prune")), **data)
 
     def validate(self) -> None:

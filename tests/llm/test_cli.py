@@ -109,6 +109,9 @@ def test_cli_and_python_defaults_build_the_same_job():
     assert PruneOptions().block_tune_epochs == 2 and BLOCK_TUNE_EPOCHS == 3  # block tuning is part of the default
     assert JobConfig().finetune_steps == 20 and JobConfig(prune=PruneOptions(recipe="alps")).finetune_steps == 0
     assert JobConfig(blockwise=True).finetune_steps == 0  # the recipe's fine-tune needs the whole model
+    assert JobConfig.from_dict(JobConfig().to_dict()) == JobConfig()
+    older = {k: v for k, v in JobConfig().to_dict().items() if not k.startswith("finetune")}  # before the fine-tune
+    assert JobConfig.from_dict(older).finetune_steps == 0
     steps = job_config(build_parser().parse_args(["prune", "--out", "x", "--recipe", "alps", "--finetune-steps", "5"]))
     assert steps == JobConfig(prune=PruneOptions(recipe="alps"), finetune_steps=5)
     assert job_config(build_parser().parse_args(["prune", "--out", "x", "--finetune-steps", "0"])).finetune_steps == 0
