@@ -256,9 +256,9 @@ _WEIGHT_NAMES = {"start": "start weights", "admm_update": "admm update", "alps_u
 def parse_setting(text: str) -> dict[str, Any]:
     """``"start=admm,refine=none,max_iters=5"`` -> ``{"start": "admm", "refine": "none", "max_iters": 5}``;
     ``""`` -> ``{}`` (:data:`SETTING_BASE`'s recipe, without block tuning); ``"recipe=alps"`` -> ``{"recipe":
-    "alps"}`` (that recipe's spec as the base); ``"default"`` -> ``{"recipe": "best", "tune":
-    2}``: the CLI's default recipe with its block tuning (``PruneOptions()``; the recipe's fine-tune is the job's,
-    ``prune_finetune.py`` runs it)."""
+    "alps"}`` (that recipe's spec as the base); ``"default"`` -> ``{"recipe": "best", "tune": E}`` with ``E`` that
+    recipe's block-tuning epochs: the CLI's default recipe with its block tuning (``PruneOptions()``; the recipe's
+    fine-tune is the job's, ``prune_finetune.py`` runs it)."""
     setting: dict[str, Any] = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
         if item == "default":

@@ -4,6 +4,8 @@ other versions of ``sparseswaps_prune/deploy/kernels.py``, one thread, float32.
     git show REV:sparseswaps_prune/deploy/kernels.py > /tmp/kernels_old.py
     python benchmarks/sparse_kernel_ab.py --baseline /tmp/kernels_old.py      # 4096x14336 and 14336x4096 (minutes)
     python benchmarks/sparse_kernel_ab.py --quick                            # small shapes (seconds; for the tests)
+    python benchmarks/sparse_kernel_ab.py --baseline /tmp/kernels_old.py --shapes 576x576 1536x576 576x1536
+        # the default model's block linears, the layers greedy decoding runs (a row's fixed cost counts there)
 
 Each ``--baseline`` file is imported as a module of its own and called through its ``run_spmm`` on the same
 bitmask, row pointers and values (the storage format is shared). Per shape, sparsity and batch, every function is
@@ -96,11 +98,19 @@ def run(setting: dict, baselines: list[str]) -> None:
                         if error > 1e-5:
                             raise RuntimeError(f"a kernel is off by {error:.1e} (relative) at batch {batch}")
                     times = interleaved_medians(calls, setting["repeats"])
-                cells = [f"{w * 1e3:7.2f}/{c * 1e3:<7.2f}" for w, c in times]
+                cells = [f"{w * 1e3:7.3f}/{c * 1e3:<7.3f}" for w, c in times]
                 speedups = [f"{times[0][1] / c:5.2f}" for _, c in times[1:]]
                 line = f"{d_out:>5}x{d_in:<5} {sparsity:>8.0%} {batch:>5} {cells[0]:>15}"
                 print(line + "".join(f" {cell:>15} {s}" for cell, s in zip(cells[1:], speedups, strict=True)))
     print(f"load average at the end: {os.getloadavg()[0]:.2f}")
+
+
+def parse_shape(text: str) -> tuple[int, int]:
+    """``"576x1536"`` -> ``(576, 1536)`` (output features, input features)."""
+    out, sep, inp = text.partition("x")
+    if not (sep and out.isdigit() and inp.isdigit() and int(out) > 0 and int(inp) > 0):
+        raise SystemExit(f"--shapes: {text!r} is not OUTxIN with two positive integers (e.g. 576x1536)")
+    return int(out), int(inp)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -108,6 +118,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--baseline", action="append", default=[], help="another kernels.py to time (repeatable)")
     parser.add_argument("--quick", action="store_true", help="small shapes, few repeats")
     parser.add_argument("--repeats", type=int, default=None, help="calls per function (default 21, 3 with --quick)")
+    parser.add_argument("--shapes", nargs="+", default=None, help="weight shapes OUTxIN instead of the default ones")
     args = parser.parse_args(argv)
     for path in args.baseline:
         if not Path(path).is_file():
@@ -117,6 +128,8 @@ def main(argv: list[str] | None = None) -> None:
         if args.repeats < 1:
             raise SystemExit(f"--repeats must be at least 1, got {args.repeats}")
         setting["repeats"] = args.repeats
+    if args.shapes:
+        setting["shapes"] = [parse_shape(text) for text in args.shapes]
     run(setting, args.baseline)
 
 

@@ -126,11 +126,13 @@ def _const(value: int) -> ir.Constant:
 
 
 def _emit_row(context, builder, signature, args, tokens: int):
-    """numba codegen of one weight row against ``tokens`` inputs: returns a tuple of ``tokens`` float32 sums."""
-    mask_a, vals_a, x_a, lut_a = (
-        context.make_array(ty)(context, builder, value) for ty, value in zip(signature.args[:4], args[:4], strict=True)
+    """numba codegen of one weight row against ``tokens`` inputs: returns a tuple of ``tokens`` float32 sums. The
+    row's values are ``front``'s where ``use_front`` is nonzero, else ``values``' (chosen here, so that the calling
+    loop binds no array per row: numba would count its references, atomic operations that serialize the rows)."""
+    mask_a, vals_a, front_a, x_a, lut_a = (
+        context.make_array(ty)(context, builder, value) for ty, value in zip(signature.args[:5], args[:5], strict=True)
     )
-    mstart, k0, nbytes, xoff, xstride = args[4:9]
+    use_front, mstart, k0, nbytes, xoff, xstride = args[5:11]
     value_bytes = 2 if signature.args[1].dtype == types.uint16 else 4
     module = builder.module
     pshufb = cgutils.get_or_insert_function(module, ir.FunctionType(_V32B, [_V32B, _V32B]), "llvm.x86.avx2.pshuf.b")
@@ -142,7 +144,8 @@ def _emit_row(context, builder, signature, args, tokens: int):
     zero = ir.Constant(_V8F, None)
     mask_row = builder.gep(mask_a.data, [mstart])
     table = builder.gep(lut_a.data, [_const(0 if value_bytes == 4 else 256 * 32)])
-    value_base = builder.bitcast(vals_a.data, _I8.as_pointer())
+    chosen = builder.select(builder.icmp_signed("!=", use_front, _const(0)), front_a.data, vals_a.data)
+    value_base = builder.bitcast(chosen, _I8.as_pointer())
     x_rows = [builder.gep(x_a.data, [builder.add(xoff, builder.mul(xstride, _const(t)))]) for t in range(tokens)]
     groups = 8 // tokens  # 8 independent accumulator chains in all
 
@@ -234,8 +237,8 @@ def _emit_row(context, builder, signature, args, tokens: int):
 
 def _row_intrinsic(tokens: int):
     @intrinsic
-    def row_dot(typingctx, mask, vals, x, lut, mstart, k0, nbytes, xoff, xstride):
-        sig = types.UniTuple(types.float32, tokens)(mask, vals, x, lut, *([types.int64] * 5))
+    def row_dot(typingctx, mask, vals, front, x, lut, use_front, mstart, k0, nbytes, xoff, xstride):
+        sig = types.UniTuple(types.float32, tokens)(mask, vals, front, x, lut, *([types.int64] * 6))
 
         def codegen(context, builder, signature, args):
             return _emit_row(context, builder, signature, args, tokens)
@@ -248,33 +251,18 @@ def _row_intrinsic(tokens: int):
 _row1, _row2, _row4 = _row_intrinsic(1), _row_intrinsic(2), _row_intrinsic(4)
 
 
-@nb.njit(fastmath=False, cache=True)
-def _avx2_row(mask, row_ptr, values, x, out, r):  # pragma: no cover - compiled
-    """Row ``r`` of ``out [batch, rows]``, 4 tokens at a time, then 2, then 1."""
-    lut = LANE_TABLE
-    batch, nbytes, width = out.shape[0], mask.shape[1], x.shape[1]
-    mstart, k0 = r * nbytes, row_ptr[r]
-    if k0 < _FRONT:  # the kernel reads up to _FRONT values before the current one: a copy with zeros in front
-        end = row_ptr[r + 1] + 8
-        front = np.zeros(_FRONT + end, dtype=values.dtype)
-        front[_FRONT:] = values[:end]
-        values, k0 = front, k0 + _FRONT
-    t = 0
-    while t + 4 <= batch:
-        s0, s1, s2, s3 = _row4(mask, values, x, lut, mstart, k0, nbytes, t * width, width)
-        out[t, r] = s0
-        out[t + 1, r] = s1
-        out[t + 2, r] = s2
-        out[t + 3, r] = s3
-        t += 4
-    if t + 2 <= batch:
-        s0, s1 = _row2(mask, values, x, lut, mstart, k0, nbytes, t * width, width)
-        out[t, r] = s0
-        out[t + 1, r] = s1
-        t += 2
-    if t < batch:
-        (s0,) = _row1(mask, values, x, lut, mstart, k0, nbytes, t * width, width)
-        out[t, r] = s0
+@nb.njit(cache=True)
+def _front_values(row_ptr, values):  # pragma: no cover - compiled
+    """``(head, front)``: the rows ``r < head`` start within the first ``_FRONT`` values, before which the avx2
+    kernel would read; ``front`` holds their values (and the 8 after them) behind ``_FRONT`` zeros, so that row
+    ``r < head`` runs on ``front`` from ``row_ptr[r] + _FRONT``."""
+    rows, head = row_ptr.shape[0] - 1, 0
+    while head < rows and row_ptr[head] < _FRONT:
+        head += 1
+    end = row_ptr[head] + 8
+    front = np.zeros(_FRONT + end, dtype=values.dtype)
+    front[_FRONT:] = values[:end]
+    return head, front
 
 
 def _as_float32(value):
@@ -318,11 +306,32 @@ def _runner(kernel: str, parallel: bool):
 
     @nb.njit(parallel=parallel, fastmath=False, cache=True)
     def run(mask, row_ptr, values, x, out):  # pragma: no cover - compiled
+        lut = LANE_TABLE
+        batch, nbytes, width = out.shape[0], mask.shape[1], x.shape[1]
+        head, front = _front_values(row_ptr, values)
         for r in nb.prange(out.shape[1]):
-            if kernel == "avx2":
-                _avx2_row(mask, row_ptr, values, x, out, r)
-            else:
+            if kernel != "avx2":
                 _portable_row(mask, row_ptr, values, x, out, r)
+                continue
+            # row r, 4 tokens at a time, then 2, then 1; a row starting within the first _FRONT values runs on front
+            use_front = np.int64(r < head)
+            mstart, k0 = r * nbytes, row_ptr[r] + use_front * _FRONT
+            t = 0
+            while t + 4 <= batch:
+                s0, s1, s2, s3 = _row4(mask, values, front, x, lut, use_front, mstart, k0, nbytes, t * width, width)
+                out[t, r] = s0
+                out[t + 1, r] = s1
+                out[t + 2, r] = s2
+                out[t + 3, r] = s3
+                t += 4
+            if t + 2 <= batch:
+                s0, s1 = _row2(mask, values, front, x, lut, use_front, mstart, k0, nbytes, t * width, width)
+                out[t, r] = s0
+                out[t + 1, r] = s1
+                t += 2
+            if t < batch:
+                (s0,) = _row1(mask, values, front, x, lut, use_front, mstart, k0, nbytes, t * width, width)
+                out[t, r] = s0
 
     return run
 

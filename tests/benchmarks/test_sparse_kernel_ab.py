@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 
 import pytest
@@ -31,3 +32,14 @@ def test_missing_baseline_is_refused(benchmark_script, tmp_path):
         script.main(["--quick", "--baseline", str(tmp_path / "absent.py")])
     with pytest.raises(SystemExit, match="--repeats must be at least 1"):
         script.main(["--quick", "--repeats", "0"])
+
+
+def test_shapes_replace_the_default_ones(benchmark_script, capsys):
+    script = benchmark_script("sparse_kernel_ab")
+    script.main(["--quick", "--repeats", "1", "--shapes", "16x40", "3x9"])
+    words = [line.split()[:3] for line in capsys.readouterr().out.splitlines()]
+    rows = [row for row in words if row and re.fullmatch(r"\d+x\d+", row[0])]
+    assert rows == [["16x40", "70%", "1"], ["16x40", "70%", "3"], ["3x9", "70%", "1"], ["3x9", "70%", "3"]]
+    for bad in ("16", "16x", "0x5", "ax5"):
+        with pytest.raises(SystemExit, match=f"--shapes: '{bad}' is not OUTxIN"):
+            script.main(["--quick", "--shapes", bad])
