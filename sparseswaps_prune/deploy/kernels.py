@@ -10,7 +10,8 @@ Two kernels compute the same sums up to float32 rounding (8 lanes per row, lane 
 
 * ``avx2`` (x86-64 with AVX2 and FMA, when numba compiles for the host CPU): the bitmask is read 8 bytes at a time
   as one 64-bit word; each byte's first value is found from a popcount of the word's lower bits (no chain of
-  additions from byte to byte), and ``values`` is prefetched ahead. Per mask byte one unaligned 32-byte load holds
+  additions from byte to byte), the byte itself is loaded on its own (a load port is freer than the ALUs here),
+  and ``values`` is prefetched ahead. Per mask byte one unaligned 32-byte load holds
   all its values, those of bits 0-3 the last of its low 16 bytes and those of bits 4-7 the first of its high 16
   bytes, so that one in-lane ``vpshufb`` (a 256-entry table per dtype) moves each kept value to its lane and zeroes
   the others, widening bfloat16 to float32 in the same shuffle; a fused multiply-add accumulates it against the 8
@@ -192,7 +193,7 @@ def _emit_row(context, builder, signature, args, tokens: int):
         ahead = builder.gep(word_ptr, [_const(_PREFETCH_BYTES + 64 * line)])
         builder.call(prefetch, [ahead, ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
     for u in range(8):
-        m = builder.and_(builder.lshr(word, _const(8 * u)), _const(255))
+        m = builder.zext(builder.load(builder.gep(mask_row, [builder.add(j, _const(u))])), _I64)  # not a shift
         before = builder.call(ctpop, [builder.shl(word, _const(60 - 8 * u))])  # set bits below bit 8u + 4
         high_ptr = builder.gep(word_ptr, [builder.mul(before, _const(value_bytes))])
         new_accs[u % groups] = step(builder.add(j, _const(u)), m, high_ptr, new_accs[u % groups])
