@@ -457,7 +457,9 @@ def print_bound_table(rows: list[dict]) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="small shapes, a tiny model, few repeats (seconds)")
-    parser.add_argument("--repeats", type=int, default=None, help="timed runs per figure (default 3, --quick 2)")
+    parser.add_argument(
+        "--repeats", type=int, default=None, help="timed runs per figure (3; --quick: 2 a layer, 1 a model)"
+    )
     parser.add_argument("--skip-layers", action="store_true", help="skip section (a)")
     parser.add_argument("--skip-model", action="store_true", help="skip sections (b), (c), (d)")
     parser.add_argument("--bound", action="store_true", help="print section (e) alone (seconds)")
@@ -479,7 +481,7 @@ def main(argv: list[str] | None = None) -> None:
         rows = layer_table(config["shapes"], config["sparsities"], config["batches"], repeats, config["csr_batches"])
         print_layer_table(rows)
     if not args.skip_model and not args.bound:
-        model_sections(args.quick, config, 1 if args.quick else 3)
+        model_sections(args.quick, config, args.repeats or (1 if args.quick else 3))
     print_bound_table(bound_rows(bound_configs(args.quick)))
     print(f"\ntotal {time.perf_counter() - start:.0f} s; load average now {os.getloadavg()[0]:.2f}")
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 def test_quick_run_prints_every_section(benchmark_script, capsys):
     script = benchmark_script("sparse_inference")
-    script.main(["--quick"])
+    script.main(["--quick", "--repeats", "2"])
     out = capsys.readouterr().out
     assert out.startswith("machine: ") and "torch " in out and "threads" in out
+    assert "median of 2 timed runs" in out.split("(b) greedy decoding")[1]  # --repeats reaches the model sections
     for title in ("(a) one layer", "(b) greedy decoding", "(c) memory", "(d) checkpoint size", "(e) least checkpoint"):
         assert title in out
     layer = [line.split() for line in out.split("(a) one layer")[1].splitlines() if line.split()[:1] == ["256x512"]]
