@@ -48,11 +48,6 @@ LLAMA_8B_SHAPES = {
 }
 
 
-def parse_shape(text: str) -> tuple[int, int]:
-    d_out, d_in = text.lower().split("x")
-    return int(d_out), int(d_in)
-
-
 def llm_like_layer(d_out: int, d_in: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """``(weight [d_out, d_in] float32, gram [d_in, d_in] float32)``: the Gram of ``4 d_in`` random tokens with
     per-feature scales in [0.2, 1.2), 1% outlier features x20 and a rank-64 shared component."""
@@ -105,8 +100,8 @@ def main() -> None:
     low, high = args.iters
     if not (0 < low < high and low % 3 == 0 and high % 3 == 0):
         parser.error("--iters A B: 0 < A < B, both multiples of 3 (ALPS updates its penalty every 3 iterations)")
-    shapes = [parse_shape(s) for s in args.shapes]
-    full = {parse_shape(s) for s in args.full}
+    shapes = [common.parse_shape(s) for s in args.shapes]
+    full = {common.parse_shape(s, "--full") for s in args.full}
     cpu = platform.processor() or platform.machine()
     print(f"{cpu}, {torch.get_num_threads()} torch threads, torch {torch.__version__}")
     print(f"ALPS (alps_prune, float32, eigendecomposition float64), layer-wise {args.sparsity:.0%}; GB = 1e9 bytes")

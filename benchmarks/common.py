@@ -253,6 +253,18 @@ _PIPELINE_OPTIONS = {
 _WEIGHT_NAMES = {"start": "start weights", "admm_update": "admm update", "alps_update": "alps update"}
 
 
+def parse_shape(text: str, option: str = "--shapes") -> tuple[int, int]:
+    """``"576x1536"`` (or ``"576X1536"``) -> ``(576, 1536)``: a weight's output and input features.
+
+    Raises:
+        SystemExit: not two positive integers joined by ``x``, naming ``option``.
+    """
+    out, sep, inp = text.lower().partition("x")
+    if not (sep and out.isdigit() and inp.isdigit() and int(out) > 0 and int(inp) > 0):
+        raise SystemExit(f"{option}: {text!r} is not OUTxIN with two positive integers (e.g. 576x1536)")
+    return int(out), int(inp)
+
+
 def parse_setting(text: str) -> dict[str, Any]:
     """``"start=admm,refine=none,max_iters=5"`` -> ``{"start": "admm", "refine": "none", "max_iters": 5}``;
     ``""`` -> ``{}`` (:data:`SETTING_BASE`'s recipe, without block tuning); ``"recipe=alps"`` -> ``{"recipe":

@@ -31,7 +31,7 @@ from types import ModuleType
 import numba
 import numpy as np
 import torch
-from common import import_file
+from common import import_file, parse_shape
 from torch import nn
 
 from sparseswaps_prune.deploy import kernels
@@ -103,14 +103,6 @@ def run(setting: dict, baselines: list[str]) -> None:
                 line = f"{d_out:>5}x{d_in:<5} {sparsity:>8.0%} {batch:>5} {cells[0]:>15}"
                 print(line + "".join(f" {cell:>15} {s}" for cell, s in zip(cells[1:], speedups, strict=True)))
     print(f"load average at the end: {os.getloadavg()[0]:.2f}")
-
-
-def parse_shape(text: str) -> tuple[int, int]:
-    """``"576x1536"`` -> ``(576, 1536)`` (output features, input features)."""
-    out, sep, inp = text.partition("x")
-    if not (sep and out.isdigit() and inp.isdigit() and int(out) > 0 and int(inp) > 0):
-        raise SystemExit(f"--shapes: {text!r} is not OUTxIN with two positive integers (e.g. 576x1536)")
-    return int(out), int(inp)
 
 
 def main(argv: list[str] | None = None) -> None:
